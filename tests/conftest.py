@@ -1,0 +1,66 @@
+"""Fixtures that hand tests a real database server; see tests/databases.py for how one is found."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+import psycopg
+import pytest
+from psycopg.rows import TupleRow
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import URL
+
+from tests.databases import (
+    POSTGRESQL,
+    PostgresDriver,
+    discover,
+    postgres_url_with_driver,
+    psycopg_connect,
+)
+
+# A test that uses one of these fixtures, directly or through another fixture, gets the
+# marker, so `-m "not postgresql"` runs everything that needs no server.
+MARKER_FOR_FIXTURE = {"postgres_url": POSTGRESQL.name}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook applies `-m` to the markers
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, marker in MARKER_FOR_FIXTURE.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+
+
+@pytest.fixture(scope="session")
+def database_containers() -> Iterator[contextlib.ExitStack]:
+    """Stops, at the end of the session, any container discovery had to start."""
+    with contextlib.ExitStack() as containers:
+        yield containers
+
+
+@pytest.fixture(scope="session")
+def postgres_url(database_containers: contextlib.ExitStack) -> URL:
+    """The PostgreSQL server under test, as a SQLAlchemy URL for psycopg 3."""
+    return discover(POSTGRESQL, os.environ, database_containers).require()
+
+
+@pytest.fixture(scope="session")
+def postgres_url_for(postgres_url: URL) -> Callable[[PostgresDriver], URL]:
+    """The same server for another driver: psycopg, psycopg2, asyncpg or psycopg_async."""
+    return lambda driver: postgres_url_with_driver(postgres_url, driver)
+
+
+@pytest.fixture
+def pg_engine(postgres_url: URL) -> Iterator[Engine]:
+    engine = create_engine(postgres_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def pg_admin(postgres_url: URL) -> Iterator[psycopg.Connection[TupleRow]]:
+    """A separate autocommit connection for looking at pg_locks from outside."""
+    with psycopg_connect(postgres_url, autocommit=True) as admin:
+        yield admin
