@@ -1,0 +1,95 @@
+"""What a dialect backend does, and the small driver interface it runs SQL through."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, Union
+
+from advisory_locks.keys import LockKey
+
+Timeout = Union[float, None]
+
+
+class Executor(Protocol):
+    """Runs SQL on one DB-API connection; made by the ORM binding for its driver."""
+
+    def fetch_value(self, sql: str, params: Sequence[int]) -> object:
+        """Run one statement with ``%s`` placeholders and return the first column."""
+
+    def run_script(self, sql: str) -> None:
+        """Run several ``;``-separated statements in one round trip (no parameters)."""
+
+    def fetch_rows(self, sql: str) -> list[tuple[object, ...]]:
+        """Run one statement without parameters and return all rows."""
+
+
+@dataclass(frozen=True, slots=True)
+class LockedRow:
+    """One held or awaited advisory lock as a monitoring query reports it."""
+
+    pid: int
+    key: int | tuple[int, int]
+    mode: str
+    granted: bool
+    waiting_seconds: float | None
+    held_at_most_seconds: float | None
+    application_name: str
+    client_addr: str | None
+    state: str | None
+    query: str
+
+
+class Backend(Protocol):
+    """The SQL of one database family for taking and giving back named locks."""
+
+    dialect_name: str
+
+    def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
+        """Raise before any SQL when this database cannot honour the options."""
+
+    def acquire(
+        self,
+        executor: Executor,
+        key: LockKey,
+        *,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> bool:
+        """Take the lock; False when it stayed busy for ``timeout``.
+
+        ``in_transaction`` tells whether the connection is inside a transaction the
+        caller owns: then a failed wait must leave that transaction usable.
+        """
+
+    def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+        """Give back a session lock; False when the server says it did not hold it."""
+
+    def list_locks(self, executor: Executor) -> list[LockedRow]:
+        """Every advisory lock held or awaited in the connection's database."""
+
+    def is_connection_failure(self, error: BaseException) -> bool:
+        """Whether ``error`` means the connection (and so any lock on it) is gone."""
+
+    def is_failed_transaction(self, error: BaseException) -> bool:
+        """Whether ``error`` means the caller's transaction failed and awaits rollback."""
+
+
+def validate_timeout(timeout: object) -> Timeout:
+    """None, or finite seconds >= 0; raise TypeError/ValueError otherwise."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"timeout must be None or a number of seconds, not {type(timeout).__name__}"
+        )
+    seconds = float(timeout)
+    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
+        raise ValueError(
+            f"timeout must be None (wait forever), 0 (do not wait) or finite seconds > 0, "
+            f"not {timeout!r}"
+        )
+    return seconds

@@ -1,0 +1,211 @@
+"""PostgreSQL advisory locks: every piece of PostgreSQL SQL the library sends.
+
+Keys are computed client-side (``hashtext()`` is internal to PostgreSQL and changed across
+versions) and sent as integer literals or parameters; lock names never reach the server.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+from advisory_locks.backends.base import Executor, LockedRow, Timeout
+from advisory_locks.errors import AdvisoryLockError, LockDeadlock, LockTimeout
+from advisory_locks.keys import LockKey
+
+__all__ = ["PostgresBackend"]
+
+# lock_timeout is an int GUC in milliseconds; 0 would mean "wait forever".
+MAX_TIMEOUT_MS: Final = 2**31 - 1
+
+LOCK_NOT_AVAILABLE: Final = "55P03"
+DEADLOCK_DETECTED: Final = "40P01"
+QUERY_CANCELED: Final = "57014"
+OUT_OF_SHARED_MEMORY: Final = "53200"
+IN_FAILED_TRANSACTION: Final = "25P02"
+CONNECTION_GONE: Final = frozenset({"57P01", "57P02", "57P03", "25P03"})
+
+SAVEPOINT: Final = "advisory_locks_acquire"
+SAVED_TIMEOUT_SETTING: Final = "advisory_locks.saved_lock_timeout"
+
+LIST_LOCKS_SQL: Final = """
+SELECT l.pid, l.classid::int8, l.objid::int8, l.objsubid::int4, l.mode, l.granted,
+       EXTRACT(EPOCH FROM now() - l.waitstart)::float8,
+       EXTRACT(EPOCH FROM now() - COALESCE(a.xact_start, a.backend_start))::float8,
+       COALESCE(a.application_name, ''), host(a.client_addr), a.state,
+       COALESCE(a.query, '')
+FROM pg_catalog.pg_locks AS l
+LEFT JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory'
+  AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST, l.pid
+"""
+
+
+class PostgresBackend:
+    """Session and transaction advisory locks, exclusive or shared, server-side waits."""
+
+    dialect_name = "postgresql"
+
+    def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
+        if timeout is not None and _timeout_ms(timeout) > MAX_TIMEOUT_MS:
+            raise ValueError(
+                f"timeout {timeout} s exceeds PostgreSQL's lock_timeout limit of "
+                f"{MAX_TIMEOUT_MS / 1000:.0f} s; pass timeout=None to wait without limit"
+            )
+
+    def acquire(
+        self,
+        executor: Executor,
+        key: LockKey,
+        *,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> bool:
+        function = _lock_function(shared=shared, transaction=transaction)
+        if timeout == 0:
+            # The try_ variants never wait and never raise for a busy lock, so there is
+            # nothing to protect the caller's transaction from.
+            granted = executor.fetch_value(f"SELECT pg_try_{function}({_placeholders(key)})", key.ints)
+            return bool(granted)
+        call = f"SELECT pg_{function}({_literals(key)})"
+        try:
+            if in_transaction:
+                executor.run_script(_acquire_in_transaction_script(call, timeout))
+            elif timeout is None:
+                executor.run_script(call)
+            else:
+                # Outside a transaction block, a multi-statement query is one implicit
+                # transaction: SET LOCAL ends with it, so the caller's lock_timeout is
+                # back in force as soon as the lock is granted (a session lock outlives
+                # the implicit transaction). One round trip.
+                executor.run_script(f"SET LOCAL lock_timeout = {_timeout_ms(timeout)}; {call}")
+        except Exception as error:
+            if in_transaction and not self.is_connection_failure(error):
+                # The failed wait aborted the caller's transaction; rolling back to our
+                # savepoint makes it usable again and also undoes our SET LOCAL.
+                executor.run_script(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; RELEASE SAVEPOINT {SAVEPOINT}")
+            return _granted_or_raise(error, key)
+        return True
+
+    def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+        function = "advisory_unlock_shared" if shared else "advisory_unlock"
+        return bool(executor.fetch_value(f"SELECT pg_{function}({_placeholders(key)})", key.ints))
+
+    def list_locks(self, executor: Executor) -> list[LockedRow]:
+        rows = []
+        for (pid, classid, objid, objsubid, mode, granted, waiting, age, application,
+             client, state, query) in executor.fetch_rows(LIST_LOCKS_SQL):
+            rows.append(
+                LockedRow(
+                    pid=int(pid),  # type: ignore[call-overload]
+                    key=_key_from_pg_locks(int(classid), int(objid), int(objsubid)),  # type: ignore[call-overload]
+                    mode="shared" if mode == "ShareLock" else "exclusive",
+                    granted=bool(granted),
+                    waiting_seconds=None if granted else _seconds(waiting),
+                    held_at_most_seconds=_seconds(age) if granted else None,
+                    application_name=str(application),
+                    client_addr=None if client is None else str(client),
+                    state=None if state is None else str(state),
+                    query=str(query),
+                )
+            )
+        return rows
+
+    def is_connection_failure(self, error: BaseException) -> bool:
+        code = sqlstate_of(error)
+        if code is not None:
+            return code.startswith("08") or code in CONNECTION_GONE
+        # Drivers report a socket that closed under them without any SQLSTATE.
+        names = {cls.__name__ for cls in type(error).__mro__}
+        return bool(names & {"OperationalError", "InterfaceError", "ConnectionDoesNotExistError"})
+
+    def is_failed_transaction(self, error: BaseException) -> bool:
+        return sqlstate_of(error) == IN_FAILED_TRANSACTION
+
+
+def sqlstate_of(error: BaseException) -> str | None:
+    """The SQLSTATE of a driver error, looking through SQLAlchemy/adapter wrappers."""
+    seen: BaseException | None = error
+    for _ in range(4):
+        if seen is None:
+            return None
+        for attribute in ("sqlstate", "pgcode"):
+            code = getattr(seen, attribute, None)
+            if isinstance(code, str) and code:
+                return code
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return None
+
+
+def _granted_or_raise(error: Exception, key: LockKey) -> bool:
+    code = sqlstate_of(error)
+    if code == LOCK_NOT_AVAILABLE:
+        return False
+    if code == DEADLOCK_DETECTED:
+        raise LockDeadlock(
+            f"deadlock detected while waiting for advisory lock {key.name!r}", name=key.name
+        ) from error
+    if code == QUERY_CANCELED:
+        raise LockTimeout(
+            f"waiting for advisory lock {key.name!r} was canceled "
+            "(statement_timeout or a cancel request)",
+            name=key.name,
+        ) from error
+    if code == OUT_OF_SHARED_MEMORY:
+        raise AdvisoryLockError(
+            f"PostgreSQL's lock table is full while taking {key.name!r}; raise "
+            "max_locks_per_transaction or hold fewer locks at once"
+        ) from error
+    raise error
+
+
+def _acquire_in_transaction_script(call: str, timeout: Timeout) -> str:
+    # Inside the caller's transaction a failed wait would abort it, so the wait runs in a
+    # savepoint. SET LOCAL would outlive RELEASE SAVEPOINT, so the caller's lock_timeout
+    # is saved in a custom setting first and put back after the grant. One round trip.
+    if timeout is None:
+        return f"SAVEPOINT {SAVEPOINT}; {call}; RELEASE SAVEPOINT {SAVEPOINT}"
+    return (
+        f"SAVEPOINT {SAVEPOINT}; "
+        f"SELECT set_config('{SAVED_TIMEOUT_SETTING}', current_setting('lock_timeout'), true); "
+        f"SET LOCAL lock_timeout = {_timeout_ms(timeout)}; "
+        f"{call}; "
+        f"SELECT set_config('lock_timeout', current_setting('{SAVED_TIMEOUT_SETTING}'), true); "
+        f"RELEASE SAVEPOINT {SAVEPOINT}"
+    )
+
+
+def _lock_function(*, shared: bool, transaction: bool) -> str:
+    return "advisory_" + ("xact_" if transaction else "") + "lock" + ("_shared" if shared else "")
+
+
+def _placeholders(key: LockKey) -> str:
+    return ", ".join(["%s"] * len(key.ints))
+
+
+def _literals(key: LockKey) -> str:
+    # Keys are validated Python ints (never text from the caller), so their decimal
+    # form is safe to inline; scripts cannot carry parameters.
+    return ", ".join(str(int(part)) for part in key.ints)
+
+
+def _timeout_ms(timeout: float) -> int:
+    return max(1, math.ceil(timeout * 1000))
+
+
+def _seconds(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+def _key_from_pg_locks(classid: int, objid: int, objsubid: int) -> int | tuple[int, int]:
+    if objsubid == 2:
+        return _signed32(classid), _signed32(objid)
+    unsigned = (classid << 32) | objid
+    return unsigned - 2**64 if unsigned >= 2**63 else unsigned
+
+
+def _signed32(value: int) -> int:
+    return value - 2**32 if value >= 2**31 else value

@@ -1,0 +1,75 @@
+"""The exceptions advisory-locks raises; all derive from AdvisoryLockError."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from advisory_locks.keys import LockName
+
+__all__ = [
+    "AdvisoryLockError",
+    "LockDeadlock",
+    "LockLost",
+    "LockNotAcquired",
+    "LockTimeout",
+    "UnsupportedDatabase",
+    "UnsupportedFeature",
+]
+
+
+class AdvisoryLockError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class LockNotAcquired(AdvisoryLockError):
+    """The lock is held elsewhere and was not granted within the timeout."""
+
+    def __init__(self, message: str, *, name: LockName | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class LockTimeout(LockNotAcquired, TimeoutError):
+    """The server gave up waiting after the requested timeout (or a statement timeout)."""
+
+
+class LockDeadlock(AdvisoryLockError):
+    """The server detected a deadlock and chose this wait as its victim."""
+
+    def __init__(self, message: str, *, name: LockName | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class LockLost(AdvisoryLockError):
+    """The lock was held, but the server no longer holds it for us.
+
+    Raised on release when the connection died (backend terminated, failover) or the
+    server reports that the lock was not held.
+    """
+
+    def __init__(self, message: str, *, name: LockName | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class UnsupportedDatabase(AdvisoryLockError):
+    """The bind's database or driver has no backend in this library."""
+
+
+class UnsupportedFeature(AdvisoryLockError):
+    """The database cannot honour the requested mode (for example a shared lock)."""
+
+
+for _error in (
+    AdvisoryLockError,
+    LockNotAcquired,
+    LockTimeout,
+    LockDeadlock,
+    LockLost,
+    UnsupportedDatabase,
+    UnsupportedFeature,
+):
+    _error.__module__ = "advisory_locks"
+del _error

@@ -1,0 +1,261 @@
+"""The lock object: context manager, decorator-free acquire/release pair, async twin.
+
+The lock logic is written once, synchronously, against a *site* supplied by an ORM
+binding. A site knows which connection a lock must run on and what that connection
+already holds. The async lock runs the same logic inside SQLAlchemy's greenlet bridge,
+so sync and async locks cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
+
+from advisory_locks.backends.base import Backend, Executor, Timeout, validate_timeout
+from advisory_locks.errors import AdvisoryLockError, LockLost, LockNotAcquired, LockTimeout
+from advisory_locks.keys import LockKey, LockName
+from advisory_locks.registry import ConnectionLocks, Holding
+
+__all__ = ["AdvisoryLock", "AsyncAdvisoryLock", "Lease", "LockSite"]
+
+logger = logging.getLogger("advisory_locks")
+
+T = TypeVar("T")
+
+
+class Lease(Protocol):
+    """A connection lent to one lock for as long as the lock is held."""
+
+    executor: Executor
+    locks: ConnectionLocks
+    in_transaction: bool
+
+    def done(self) -> None:
+        """The lock no longer needs the connection."""
+
+    def broken(self, error: BaseException) -> None:
+        """The connection failed; it must never go back to a pool as if healthy."""
+
+
+class LockSite(Protocol):
+    """Where locks for one bind live (made by an ORM binding)."""
+
+    backend: Backend
+
+    def lease(self, *, transaction: bool) -> Lease:
+        """The connection a lock of this scope must use, ready for the backend's SQL."""
+
+    def held_names(self) -> list[LockName]:
+        """Names this library holds through this bind."""
+
+
+class AdvisoryLock:
+    """A named database lock; see :func:`advisory_locks.advisory_lock`."""
+
+    __slots__ = ("_count", "_holding", "_lease", "_site", "key_info", "shared", "timeout",
+                 "transaction")
+
+    def __init__(
+        self,
+        site: LockSite,
+        key: LockKey,
+        *,
+        timeout: Timeout = None,
+        shared: bool = False,
+        transaction: bool = False,
+    ) -> None:
+        self.timeout = validate_timeout(timeout)
+        site.backend.check_options(shared=shared, transaction=transaction, timeout=self.timeout)
+        self._site = site
+        self.key_info = key
+        self.shared = shared
+        self.transaction = transaction
+        self._count = 0
+        self._lease: Lease | None = None
+        self._holding: Holding | None = None
+
+    @property
+    def name(self) -> LockName:
+        return self.key_info.name
+
+    @property
+    def key(self) -> int | tuple[int, int]:
+        """The key(s) sent to the server."""
+        return self.key_info.value
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock (a transaction lock until its transaction ends)."""
+        return self._count > 0 and self._holding is not None and self._holding.active
+
+    def acquire(self) -> bool:
+        """Take the lock; False when it stayed busy for the whole timeout."""
+        if self._count and self._holding is not None and self._holding.active:
+            self._count += 1
+            self._holding.count += 1
+            return True
+        self._count = 0
+        lease = self._site.lease(transaction=self.transaction)
+        options = {"shared": self.shared, "transaction": self.transaction}
+        holding = lease.locks.find(self.key_info, **options)
+        if holding is None:
+            try:
+                granted = self._site.backend.acquire(
+                    lease.executor,
+                    self.key_info,
+                    timeout=self.timeout,
+                    in_transaction=lease.in_transaction,
+                    **options,
+                )
+            except BaseException as error:
+                self._give_back(lease, error)
+                raise
+            if not granted:
+                lease.done()
+                return False
+            holding = lease.locks.add(self.key_info, **options)
+        holding.count += 1
+        self._count = 1
+        self._lease = lease
+        self._holding = holding
+        return True
+
+    def release(self) -> None:
+        """Give the lock back (a transaction lock stays with its transaction)."""
+        holding, lease = self._holding, self._lease
+        if not self._count or holding is None or lease is None:
+            raise AdvisoryLockError(f"advisory lock {self.name!r} is not held by this object")
+        self._count -= 1
+        holding.count -= 1
+        if self._count:
+            return
+        self._holding = self._lease = None
+        if holding.count > 0:
+            lease.done()
+            return
+        if holding.transaction:
+            # The server frees it when the transaction ends; until then taking it again
+            # on this connection is free, so the holding stays registered.
+            lease.done()
+            return
+        if not holding.active:
+            lease.done()
+            raise LockLost(
+                f"advisory lock {self.name!r} was released before its block ended "
+                "(its connection was returned to the pool or closed)",
+                name=self.name,
+            )
+        self._unlock(holding, lease)
+
+    def _unlock(self, holding: Holding, lease: Lease) -> None:
+        backend = self._site.backend
+        try:
+            released = backend.release(lease.executor, self.key_info, shared=self.shared)
+        except Exception as error:
+            if backend.is_failed_transaction(error):
+                # The caller's transaction failed inside the block; the server rejects
+                # every statement until it ends, and session locks survive its rollback.
+                lease.locks.forget(holding)
+                lease.locks.pending_release.append(holding)
+                lease.done()
+                logger.debug("release of %r deferred to the end of the transaction", self.name)
+                return
+            lease.locks.forget(holding)
+            if backend.is_connection_failure(error):
+                lease.broken(error)
+                raise LockLost(
+                    f"advisory lock {self.name!r} was lost: its connection failed ({error})",
+                    name=self.name,
+                ) from error
+            lease.done()
+            raise
+        lease.locks.forget(holding)
+        lease.done()
+        if not released:
+            raise LockLost(
+                f"the server did not hold advisory lock {self.name!r} at release",
+                name=self.name,
+            )
+
+    def _give_back(self, lease: Lease, error: BaseException) -> None:
+        if isinstance(error, Exception) and self._site.backend.is_connection_failure(error):
+            lease.broken(error)
+        else:
+            lease.done()
+
+    def __enter__(self) -> AdvisoryLock:
+        if not self.acquire():
+            raise _not_acquired(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "not held"
+        return f"<AdvisoryLock {self.name!r} key={self.key!r} {state}>"
+
+
+class AsyncAdvisoryLock:
+    """The awaitable twin of :class:`AdvisoryLock`, for SQLAlchemy's asyncio binds."""
+
+    __slots__ = ("_lock", "_run")
+
+    def __init__(
+        self, lock: AdvisoryLock, run: Callable[..., Awaitable[Any]]
+    ) -> None:
+        self._lock = lock
+        self._run = run
+
+    @property
+    def name(self) -> LockName:
+        return self._lock.name
+
+    @property
+    def key(self) -> int | tuple[int, int]:
+        return self._lock.key
+
+    @property
+    def held(self) -> bool:
+        return self._lock.held
+
+    async def acquire(self) -> bool:
+        """Take the lock; False when it stayed busy for the whole timeout."""
+        granted: bool = await self._run(self._lock.acquire)
+        return granted
+
+    async def release(self) -> None:
+        """Give the lock back (a transaction lock stays with its transaction)."""
+        await self._run(self._lock.release)
+
+    async def __aenter__(self) -> AsyncAdvisoryLock:
+        if not await self.acquire():
+            raise _not_acquired(self._lock)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.release()
+
+    def __repr__(self) -> str:
+        return "<Async" + repr(self._lock)[1:]
+
+
+def _not_acquired(lock: AdvisoryLock) -> LockNotAcquired:
+    if lock.timeout:
+        return LockTimeout(
+            f"advisory lock {lock.name!r} was not granted within {lock.timeout} s",
+            name=lock.name,
+        )
+    return LockNotAcquired(f"advisory lock {lock.name!r} is held elsewhere", name=lock.name)

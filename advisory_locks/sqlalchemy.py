@@ -1,0 +1,480 @@
+"""SQLAlchemy binding: find the connection a lock must run on, and keep pools clean.
+
+Where a lock lives, by bind:
+
+- ``Connection``: on that connection. Re-entrancy is counted per DB-API connection.
+- ``Session``: a session lock runs on a connection the Session checks out of its engine's
+  pool for as long as it holds session locks, so ``commit()``/``rollback()`` (which give
+  the Session's own connection back to the pool) neither release nor leak it. A
+  transaction lock runs on ``session.connection()``, inside the Session's transaction.
+- ``Engine``: each lock checks out its own connection and returns it after release.
+
+Pool guard: a connection that comes back to the pool while this library still records a
+session lock on it is unlocked before anyone else can check it out, or discarded.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Final, Union, overload
+
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import Pool, PoolProxiedConnection
+from sqlalchemy.util import greenlet_spawn
+
+from advisory_locks.backends import Backend, backend_for_dialect
+from advisory_locks.backends.base import Timeout
+from advisory_locks.errors import UnsupportedFeature
+from advisory_locks.executors import executor_for
+from advisory_locks.keys import LockName, derive_key
+from advisory_locks.lock import AdvisoryLock, AsyncAdvisoryLock, Lease, LockSite
+from advisory_locks.registry import ConnectionLocks
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine.interfaces import DBAPIConnection
+    from sqlalchemy.pool import ConnectionPoolEntry
+
+__all__ = [
+    "AdvisoryLockSession",
+    "AdvisoryLockSessionMixin",
+    "AsyncAdvisoryLockSession",
+    "SyncBind",
+    "AsyncBind",
+    "advisory_lock",
+    "current_advisory_locks",
+]
+
+SyncBind = Union[Session, Connection, Engine]
+AsyncBind = Union[AsyncSession, AsyncConnection, AsyncEngine]
+
+LOCKS_INFO_KEY: Final = "advisory_locks.locks"
+AUTOCOMMIT_INFO_KEY: Final = "advisory_locks.restore_autocommit"
+SESSION_INFO_KEY: Final = "advisory_locks.session_connection"
+
+
+@overload
+def advisory_lock(
+    bind: SyncBind,
+    name: LockName,
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AdvisoryLock: ...
+
+
+@overload
+def advisory_lock(
+    bind: AsyncBind,
+    name: LockName,
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AsyncAdvisoryLock: ...
+
+
+def advisory_lock(
+    bind: SyncBind | AsyncBind,
+    name: LockName,
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AdvisoryLock | AsyncAdvisoryLock:
+    """A named lock held by the database behind ``bind``; see the module docstring."""
+    key = derive_key(name, scheme=key_scheme, prefix=key_prefix)
+    sync_bind = _sync_bind(bind)
+    site = _site_for(sync_bind, transaction=transaction)
+    lock = AdvisoryLock(site, key, timeout=timeout, shared=shared, transaction=transaction)
+    if sync_bind is bind:
+        return lock
+    return AsyncAdvisoryLock(lock, greenlet_spawn)
+
+
+def current_advisory_locks(bind: SyncBind | AsyncBind) -> list[LockName]:
+    """Names of the locks this library holds through ``bind`` (in this process)."""
+    sync_bind = _sync_bind(bind)
+    return _site_for(sync_bind, transaction=False).held_names()
+
+
+class AdvisoryLockSessionMixin:
+    """Adds ``advisory_lock()`` to a Session class of your own."""
+
+    def advisory_lock(
+        self,
+        name: LockName,
+        *,
+        timeout: Timeout = None,
+        shared: bool = False,
+        transaction: bool = False,
+        key_scheme: str | None = None,
+        key_prefix: str | int | None = None,
+    ) -> AdvisoryLock:
+        assert isinstance(self, Session), "AdvisoryLockSessionMixin needs a Session subclass"
+        return advisory_lock(
+            self,
+            name,
+            timeout=timeout,
+            shared=shared,
+            transaction=transaction,
+            key_scheme=key_scheme,
+            key_prefix=key_prefix,
+        )
+
+
+class AdvisoryLockSession(AdvisoryLockSessionMixin, Session):
+    """A Session with ``advisory_lock()``; use ``sessionmaker(class_=AdvisoryLockSession)``."""
+
+
+class AsyncAdvisoryLockSession(AsyncSession):
+    """An AsyncSession with ``advisory_lock()``; use ``async_sessionmaker(class_=...)``."""
+
+    sync_session_class = AdvisoryLockSession
+
+    def advisory_lock(
+        self,
+        name: LockName,
+        *,
+        timeout: Timeout = None,
+        shared: bool = False,
+        transaction: bool = False,
+        key_scheme: str | None = None,
+        key_prefix: str | int | None = None,
+    ) -> AsyncAdvisoryLock:
+        return advisory_lock(
+            self,
+            name,
+            timeout=timeout,
+            shared=shared,
+            transaction=transaction,
+            key_scheme=key_scheme,
+            key_prefix=key_prefix,
+        )
+
+
+def _sync_bind(bind: object) -> SyncBind:
+    if isinstance(bind, (Session, Connection, Engine)):
+        return bind
+    if isinstance(bind, AsyncSession):
+        return bind.sync_session
+    if isinstance(bind, AsyncEngine):
+        return bind.sync_engine
+    if isinstance(bind, AsyncConnection):
+        if bind.sync_connection is None:
+            raise ValueError("the AsyncConnection is not started; use it inside 'async with'")
+        return bind.sync_connection
+    raise TypeError(
+        "bind must be a SQLAlchemy Session, Connection or Engine (or an async one), "
+        f"not {type(bind).__name__}"
+    )
+
+
+def _site_for(bind: SyncBind, *, transaction: bool) -> LockSite:
+    if isinstance(bind, Connection):
+        return ConnectionSite(bind)
+    if isinstance(bind, Engine):
+        if transaction:
+            raise UnsupportedFeature(
+                "transaction=True needs a transaction, and an Engine has none: pass a "
+                "Connection or Session inside a transaction, or use a session lock"
+            )
+        return EngineSite(bind)
+    return SessionSite(bind)
+
+
+def _backend_for(engine: Engine) -> Backend:
+    return backend_for_dialect(engine.dialect.name)
+
+
+def connection_locks(info: dict[Any, Any], backend: Backend | None = None) -> ConnectionLocks:
+    """The registry stored with a pooled DB-API connection (dropped if it is replaced)."""
+    locks = info.get(LOCKS_INFO_KEY)
+    if locks is None:
+        locks = info[LOCKS_INFO_KEY] = ConnectionLocks()
+    if backend is not None:
+        locks.backend = backend
+    return locks  # type: ignore[no-any-return]
+
+
+class ConnectionSite:
+    """Locks on a Connection the caller owns."""
+
+    __slots__ = ("backend", "connection")
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self.backend = _backend_for(connection.engine)
+
+    def lease(self, *, transaction: bool) -> Lease:
+        return ConnectionLease(self.connection, self.backend, transaction=transaction)
+
+    def held_names(self) -> list[LockName]:
+        if self.connection.closed or self.connection.invalidated:
+            return []
+        return connection_locks(self.connection.info).names()
+
+
+class ConnectionLease:
+    """A caller's Connection: never closed or returned by the lock."""
+
+    __slots__ = ("connection", "executor", "in_transaction", "locks")
+
+    def __init__(self, connection: Connection, backend: Backend, *, transaction: bool) -> None:
+        fairy = connection.connection
+        dbapi = fairy.dbapi_connection
+        if _autocommit(dbapi):
+            if transaction:
+                raise UnsupportedFeature(
+                    "transaction=True needs a transaction, but this connection is in "
+                    "AUTOCOMMIT mode, where every statement is its own transaction"
+                )
+            self.executor: Any = executor_for(dbapi, fairy.driver_connection)
+        elif connection.in_transaction() or transaction:
+            if not connection.in_transaction():
+                # Like any statement on a Connection, a transaction lock autobegins.
+                connection.begin()
+            self.executor = executor_for(dbapi, fairy.driver_connection)
+        else:
+            # A session lock on an idle connection must not open a transaction that
+            # SQLAlchemy does not know about; run it as autocommit instead.
+            self.executor = _AutocommitExecutor(connection, fairy)
+        self.connection = connection
+        self.in_transaction = connection.in_transaction()
+        self.locks = connection_locks(fairy.info, backend)
+
+    def done(self) -> None:
+        pass
+
+    def broken(self, error: BaseException) -> None:
+        if not self.connection.invalidated:
+            self.connection.invalidate(error if isinstance(error, Exception) else None)
+
+
+class _AutocommitExecutor:
+    """Runs each statement with the DB-API connection in autocommit, if SQLAlchemy has
+    no transaction open on it at that moment; inside the caller's transaction otherwise."""
+
+    __slots__ = ("connection", "fairy")
+
+    def __init__(self, connection: Connection, fairy: PoolProxiedConnection) -> None:
+        self.connection = connection
+        self.fairy = fairy
+
+    def fetch_value(self, sql: str, params: Any) -> object:
+        return self._call("fetch_value", sql, params)
+
+    def run_script(self, sql: str) -> None:
+        self._call("run_script", sql)
+
+    def fetch_rows(self, sql: str) -> list[tuple[object, ...]]:
+        return self._call("fetch_rows", sql)  # type: ignore[no-any-return]
+
+    def _call(self, method: str, *args: Any) -> Any:
+        dbapi = self.fairy.dbapi_connection
+        executor = executor_for(dbapi, self.fairy.driver_connection)
+        if self.connection.in_transaction() or _autocommit(dbapi):
+            return getattr(executor, method)(*args)
+        _set_autocommit(dbapi, True)
+        try:
+            return getattr(executor, method)(*args)
+        finally:
+            _set_autocommit(dbapi, False)
+
+
+class PooledLease:
+    """A connection checked out of an engine's pool for locks only, in autocommit mode.
+
+    Autocommit keeps every acquire and release to one round trip, and means nothing the
+    lock does can be rolled back underneath it.
+    """
+
+    __slots__ = ("__weakref__", "engine", "executor", "fairy", "in_transaction", "locks")
+
+    in_transaction: bool
+
+    def __init__(self, engine: Engine, backend: Backend) -> None:
+        self.engine = engine
+        self.fairy = engine.raw_connection()
+        dbapi = self.fairy.dbapi_connection
+        if not _autocommit(dbapi):
+            _set_autocommit(dbapi, True)
+            self.fairy.info[AUTOCOMMIT_INFO_KEY] = True
+        self.executor = executor_for(dbapi, self.fairy.driver_connection)
+        self.locks = connection_locks(self.fairy.info, backend)
+        self.in_transaction = False
+        _engine_leases(engine).add(self)
+
+    @property
+    def returned(self) -> bool:
+        return self.fairy.dbapi_connection is None
+
+    def done(self) -> None:
+        if self.locks.holdings or self.locks.pending_release or self.returned:
+            return
+        _engine_leases(self.engine).discard(self)
+        self.fairy.close()
+
+    def broken(self, error: BaseException) -> None:
+        _engine_leases(self.engine).discard(self)
+        if not self.returned:
+            self.fairy.invalidate(error if isinstance(error, Exception) else None)
+            self.fairy.close()
+
+
+_leases_by_engine: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[PooledLease]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _engine_leases(engine: Engine) -> weakref.WeakSet[PooledLease]:
+    leases = _leases_by_engine.get(engine)
+    if leases is None:
+        leases = _leases_by_engine[engine] = weakref.WeakSet()
+    return leases
+
+
+class EngineSite:
+    """Each lock takes its own pooled connection."""
+
+    __slots__ = ("backend", "engine")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.backend = _backend_for(engine)
+
+    def lease(self, *, transaction: bool) -> Lease:
+        return PooledLease(self.engine, self.backend)
+
+    def held_names(self) -> list[LockName]:
+        return [name for lease in list(_engine_leases(self.engine)) for name in lease.locks.names()]
+
+
+class SessionSite:
+    """Session locks on one pooled connection per Session; transaction locks in its
+    transaction."""
+
+    __slots__ = ("backend", "session")
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        bind = session.get_bind()
+        self.backend = _backend_for(bind if isinstance(bind, Engine) else bind.engine)
+
+    def lease(self, *, transaction: bool) -> Lease:
+        if transaction:
+            return ConnectionLease(self.session.connection(), self.backend, transaction=True)
+        bind = self.session.get_bind()
+        if isinstance(bind, Connection):
+            return ConnectionLease(bind, self.backend, transaction=False)
+        lease = self.session.info.get(SESSION_INFO_KEY)
+        if lease is None or lease.returned:
+            lease = self.session.info[SESSION_INFO_KEY] = PooledLease(bind, self.backend)
+        return lease  # type: ignore[no-any-return]
+
+    def held_names(self) -> list[LockName]:
+        names: list[LockName] = []
+        lease = self.session.info.get(SESSION_INFO_KEY)
+        if lease is not None and not lease.returned:
+            names += lease.locks.names()
+        if self.session.in_transaction():
+            names += ConnectionSite(self.session.connection()).held_names()
+        return names
+
+
+def _autocommit(dbapi_connection: DBAPIConnection | None) -> bool:
+    return bool(getattr(dbapi_connection, "autocommit", False))
+
+
+def _set_autocommit(dbapi_connection: Any, value: bool) -> None:
+    dbapi_connection.autocommit = value
+
+
+# -- events: transaction ends, savepoints, and the pool guard ------------------------------
+
+
+def _locks_of(connection: Connection) -> ConnectionLocks | None:
+    if connection.invalidated or connection.closed:
+        return None
+    locks = connection.info.get(LOCKS_INFO_KEY)
+    return locks if isinstance(locks, ConnectionLocks) else None
+
+
+@event.listens_for(Engine, "commit")
+@event.listens_for(Engine, "rollback")
+def _transaction_ended(connection: Connection) -> None:
+    locks = _locks_of(connection)
+    if locks is not None:
+        locks.transaction_ended()
+
+
+@event.listens_for(Engine, "begin")
+def _transaction_began(connection: Connection) -> None:
+    locks = _locks_of(connection)
+    if locks is not None and locks.pending_release:
+        fairy = connection.connection
+        _release_session_locks(locks, fairy.dbapi_connection, fairy.driver_connection)
+
+
+@event.listens_for(Engine, "savepoint")
+def _savepoint_started(connection: Connection, name: str) -> None:
+    connection_locks(connection.info).savepoint_started(name)
+
+
+@event.listens_for(Engine, "rollback_savepoint")
+def _savepoint_rolled_back(connection: Connection, name: str, context: object) -> None:
+    locks = _locks_of(connection)
+    if locks is not None:
+        locks.savepoint_rolled_back(name)
+
+
+@event.listens_for(Engine, "release_savepoint")
+def _savepoint_released(connection: Connection, name: str, context: object) -> None:
+    locks = _locks_of(connection)
+    if locks is not None:
+        locks.savepoint_released(name)
+
+
+@event.listens_for(Pool, "checkin")
+def _guard_checkin(
+    dbapi_connection: DBAPIConnection | None, record: ConnectionPoolEntry
+) -> None:
+    # The pool has rolled the connection back, which ends every transaction lock but no
+    # session lock. A session lock still recorded here was never released (its lock
+    # object was dropped, or its Connection closed inside the block): release it now, so
+    # the next borrower of this connection cannot inherit it.
+    if dbapi_connection is None:
+        return
+    info = record.info
+    locks = info.get(LOCKS_INFO_KEY)
+    try:
+        if isinstance(locks, ConnectionLocks):
+            locks.transaction_ended()
+            if locks.session_holdings():
+                _release_session_locks(locks, dbapi_connection, record.driver_connection)
+        if info.pop(AUTOCOMMIT_INFO_KEY, False):
+            _set_autocommit(dbapi_connection, False)
+    except Exception as error:
+        record.invalidate(error)
+
+
+def _release_session_locks(
+    locks: ConnectionLocks, dbapi_connection: Any, driver_connection: Any
+) -> None:
+    """Unlock every session lock still recorded (each was taken once on the server)."""
+    if locks.backend is None:
+        return
+    executor = executor_for(dbapi_connection, driver_connection)
+    for holding in locks.session_holdings():
+        locks.forget(holding)
+        locks.backend.release(executor, holding.key, shared=holding.shared)
+    locks.pending_release.clear()
