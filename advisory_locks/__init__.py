@@ -6,7 +6,8 @@ Public API: :func:`advisory_lock`, :class:`AdvisoryLock`, :func:`lock_key`,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib.util
+from typing import Any
 
 from advisory_locks.errors import (
     AdvisoryLockError,
@@ -20,26 +21,19 @@ from advisory_locks.errors import (
 from advisory_locks.keys import LockName, lock_key
 from advisory_locks.lock import AdvisoryLock, AsyncAdvisoryLock
 
-try:
-    # Imported eagerly when SQLAlchemy is installed: the binding registers its
-    # transaction and pool listeners, which must exist before connections are made.
+if importlib.util.find_spec("sqlalchemy") is not None:
+    # Imported eagerly: the binding registers its transaction and pool listeners, which
+    # must exist before the application makes its first connection.
     from advisory_locks.sqlalchemy import advisory_lock, current_advisory_locks
-except ImportError as error:  # pragma: no cover - exercised only without SQLAlchemy
-    _missing = error
 
-    def advisory_lock(bind: Any, name: LockName, **options: Any) -> Any:  # type: ignore[misc]
+
+def __getattr__(name: str) -> Any:
+    if name in ("advisory_lock", "current_advisory_locks"):
         raise UnsupportedDatabase(
-            "advisory_lock(bind, ...) needs SQLAlchemy: pip install 'advisory-locks[sqlalchemy]'"
-        ) from _missing
+            f"advisory_locks.{name} needs SQLAlchemy: pip install 'advisory-locks[sqlalchemy]'"
+        )
+    raise AttributeError(f"module 'advisory_locks' has no attribute {name!r}")
 
-    def current_advisory_locks(bind: Any) -> list[LockName]:  # type: ignore[misc]
-        raise UnsupportedDatabase(
-            "current_advisory_locks(bind) needs SQLAlchemy: "
-            "pip install 'advisory-locks[sqlalchemy]'"
-        ) from _missing
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "AdvisoryLock",

@@ -28,7 +28,7 @@ import hashlib
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Final, Literal, Union
+from typing import Final, Literal, TypeAlias
 
 __all__ = [
     "DEFAULT_SCHEME",
@@ -39,7 +39,7 @@ __all__ = [
     "lock_key",
 ]
 
-LockName = Union[str, int, tuple[int, int]]
+LockName: TypeAlias = str | int | tuple[int, int]
 KeyScheme = Literal["sha256", "pglock", "rails"]
 
 DEFAULT_SCHEME: Final = "sha256"
@@ -66,7 +66,7 @@ class LockKey:
         """The key as the server sees it: one bigint, or the int4 pair."""
         if len(self.ints) == 1:
             return self.ints[0]
-        return self.ints  # type: ignore[return-value]
+        return self.ints
 
     def pg_locks_ids(self) -> tuple[int, int, int]:
         """``(classid, objid, objsubid)`` of this key's row in PostgreSQL's ``pg_locks``.
@@ -77,7 +77,7 @@ class LockKey:
         if len(self.ints) == 1:
             unsigned = self.ints[0] & 0xFFFFFFFFFFFFFFFF
             return unsigned >> 32, unsigned & 0xFFFFFFFF, 1
-        first, second = self.ints  # type: ignore[misc]
+        first, second = self.ints
         return first & 0xFFFFFFFF, second & 0xFFFFFFFF, 2
 
 
@@ -105,9 +105,7 @@ def derive_key(
     if isinstance(name, tuple):
         return LockKey(name, _validate_pair(name))
     if not isinstance(name, str):
-        raise TypeError(
-            f"lock name must be str, int or (int, int), not {type(name).__name__}"
-        )
+        raise TypeError(f"lock name must be str, int or (int, int), not {type(name).__name__}")
     if not name:
         raise ValueError("lock name must not be empty")
     scheme = _resolve_scheme(scheme)
@@ -124,12 +122,11 @@ def _validate_pair(name: tuple[object, ...]) -> tuple[int, int]:
         isinstance(part, int) and not isinstance(part, bool) for part in name
     ):
         raise TypeError("a pair lock name must be a tuple of exactly two ints")
-    first, second = name
-    assert isinstance(first, int) and isinstance(second, int)
+    first, second = (int(part) for part in name)  # type: ignore[call-overload]
     for part in (first, second):
         if not INT32_MIN <= part <= INT32_MAX:
             raise ValueError(f"pair lock name part {part} is outside the signed 32-bit range")
-    return int(first), int(second)
+    return first, second
 
 
 def _resolve_scheme(scheme: str | None) -> str:

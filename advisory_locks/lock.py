@@ -54,8 +54,16 @@ class LockSite(Protocol):
 class AdvisoryLock:
     """A named database lock; see :func:`advisory_locks.advisory_lock`."""
 
-    __slots__ = ("_count", "_holding", "_lease", "_site", "key_info", "shared", "timeout",
-                 "transaction")
+    __slots__ = (
+        "_count",
+        "_holding",
+        "_lease",
+        "_site",
+        "key_info",
+        "shared",
+        "timeout",
+        "transaction",
+    )
 
     def __init__(
         self,
@@ -208,9 +216,7 @@ class AsyncAdvisoryLock:
 
     __slots__ = ("_lock", "_run")
 
-    def __init__(
-        self, lock: AdvisoryLock, run: Callable[..., Awaitable[Any]]
-    ) -> None:
+    def __init__(self, lock: AdvisoryLock, run: Callable[..., Awaitable[Any]]) -> None:
         self._lock = lock
         self._run = run
 

@@ -16,7 +16,7 @@ session lock on it is unlocked before anyone else can check it out, or discarded
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Final, Union, overload
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, overload
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
@@ -26,7 +26,7 @@ from sqlalchemy.pool import Pool, PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
 from advisory_locks.backends import Backend, backend_for_dialect
-from advisory_locks.backends.base import Timeout
+from advisory_locks.backends.base import Executor, Timeout
 from advisory_locks.errors import UnsupportedFeature
 from advisory_locks.executors import executor_for
 from advisory_locks.keys import LockName, derive_key
@@ -41,14 +41,14 @@ __all__ = [
     "AdvisoryLockSession",
     "AdvisoryLockSessionMixin",
     "AsyncAdvisoryLockSession",
-    "SyncBind",
     "AsyncBind",
+    "SyncBind",
     "advisory_lock",
     "current_advisory_locks",
 ]
 
-SyncBind = Union[Session, Connection, Engine]
-AsyncBind = Union[AsyncSession, AsyncConnection, AsyncEngine]
+SyncBind: TypeAlias = Session | Connection | Engine
+AsyncBind: TypeAlias = AsyncSession | AsyncConnection | AsyncEngine
 
 LOCKS_INFO_KEY: Final = "advisory_locks.locks"
 AUTOCOMMIT_INFO_KEY: Final = "advisory_locks.restore_autocommit"
@@ -199,11 +199,11 @@ def _backend_for(engine: Engine) -> Backend:
 def connection_locks(info: dict[Any, Any], backend: Backend | None = None) -> ConnectionLocks:
     """The registry stored with a pooled DB-API connection (dropped if it is replaced)."""
     locks = info.get(LOCKS_INFO_KEY)
-    if locks is None:
+    if not isinstance(locks, ConnectionLocks):
         locks = info[LOCKS_INFO_KEY] = ConnectionLocks()
     if backend is not None:
         locks.backend = backend
-    return locks  # type: ignore[no-any-return]
+    return locks
 
 
 class ConnectionSite:
@@ -238,7 +238,7 @@ class ConnectionLease:
                     "transaction=True needs a transaction, but this connection is in "
                     "AUTOCOMMIT mode, where every statement is its own transaction"
                 )
-            self.executor: Any = executor_for(dbapi, fairy.driver_connection)
+            self.executor: Executor = executor_for(dbapi, fairy.driver_connection)
         elif connection.in_transaction() or transaction:
             if not connection.in_transaction():
                 # Like any statement on a Connection, a transaction lock autobegins.
@@ -309,7 +309,7 @@ class PooledLease:
         if not _autocommit(dbapi):
             _set_autocommit(dbapi, True)
             self.fairy.info[AUTOCOMMIT_INFO_KEY] = True
-        self.executor = executor_for(dbapi, self.fairy.driver_connection)
+        self.executor: Executor = executor_for(dbapi, self.fairy.driver_connection)
         self.locks = connection_locks(self.fairy.info, backend)
         self.in_transaction = False
         _engine_leases(engine).add(self)
@@ -377,9 +377,9 @@ class SessionSite:
         if isinstance(bind, Connection):
             return ConnectionLease(bind, self.backend, transaction=False)
         lease = self.session.info.get(SESSION_INFO_KEY)
-        if lease is None or lease.returned:
+        if not isinstance(lease, PooledLease) or lease.returned:
             lease = self.session.info[SESSION_INFO_KEY] = PooledLease(bind, self.backend)
-        return lease  # type: ignore[no-any-return]
+        return lease
 
     def held_names(self) -> list[LockName]:
         names: list[LockName] = []
@@ -445,9 +445,7 @@ def _savepoint_released(connection: Connection, name: str, context: object) -> N
 
 
 @event.listens_for(Pool, "checkin")
-def _guard_checkin(
-    dbapi_connection: DBAPIConnection | None, record: ConnectionPoolEntry
-) -> None:
+def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionPoolEntry) -> None:
     # The pool has rolled the connection back, which ends every transaction lock but no
     # session lock. A session lock still recorded here was never released (its lock
     # object was dropped, or its Connection closed inside the block): release it now, so

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Protocol, TypeAlias
 
 from advisory_locks.keys import LockKey
 
-Timeout = Union[float, None]
+Timeout: TypeAlias = float | None
 
 
 class Executor(Protocol):

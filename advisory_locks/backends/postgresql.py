@@ -68,7 +68,9 @@ class PostgresBackend:
         if timeout == 0:
             # The try_ variants never wait and never raise for a busy lock, so there is
             # nothing to protect the caller's transaction from.
-            granted = executor.fetch_value(f"SELECT pg_try_{function}({_placeholders(key)})", key.ints)
+            granted = executor.fetch_value(
+                f"SELECT pg_try_{function}({_placeholders(key)})", key.ints
+            )
             return bool(granted)
         call = f"SELECT pg_{function}({_literals(key)})"
         try:
@@ -86,7 +88,9 @@ class PostgresBackend:
             if in_transaction and not self.is_connection_failure(error):
                 # The failed wait aborted the caller's transaction; rolling back to our
                 # savepoint makes it usable again and also undoes our SET LOCAL.
-                executor.run_script(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; RELEASE SAVEPOINT {SAVEPOINT}")
+                executor.run_script(
+                    f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; RELEASE SAVEPOINT {SAVEPOINT}"
+                )
             return _granted_or_raise(error, key)
         return True
 
@@ -96,8 +100,20 @@ class PostgresBackend:
 
     def list_locks(self, executor: Executor) -> list[LockedRow]:
         rows = []
-        for (pid, classid, objid, objsubid, mode, granted, waiting, age, application,
-             client, state, query) in executor.fetch_rows(LIST_LOCKS_SQL):
+        for (
+            pid,
+            classid,
+            objid,
+            objsubid,
+            mode,
+            granted,
+            waiting,
+            age,
+            application,
+            client,
+            state,
+            query,
+        ) in executor.fetch_rows(LIST_LOCKS_SQL):
             rows.append(
                 LockedRow(
                     pid=int(pid),  # type: ignore[call-overload]
