@@ -3,7 +3,7 @@
 
     python3 dev.py test [pytest args...]   install .[test], run pytest
     python3 dev.py lint                    install .[dev], run ruff and mypy
-    python3 dev.py demo [args...]          install .[sqlalchemy,postgres], run the demo
+    python3 dev.py demo [args...]          install .[demo], run the demo
 
 The virtualenv lives in .venv. Each set of extras is reinstalled when pyproject.toml is
 newer than the stamp file its last install left behind; an existing .venv is never
@@ -66,7 +66,7 @@ def lint(paths: list[str]) -> int:
 
 
 def demo(demo_args: list[str]) -> int:
-    ensure_installed("sqlalchemy,postgres")
+    ensure_installed("demo")
     return run(PYTHON, ROOT / "examples" / "contention_demo.py", *demo_args)
 
 
