@@ -422,7 +422,9 @@ def _transaction_began(connection: Connection) -> None:
     locks = _locks_of(connection)
     if locks is not None and locks.pending_release:
         fairy = connection.connection
-        _release_session_locks(locks, fairy.dbapi_connection, fairy.driver_connection)
+        _release_session_locks(
+            locks, fairy.dbapi_connection, fairy.driver_connection, pending_only=True
+        )
 
 
 @event.listens_for(Engine, "savepoint")
@@ -466,13 +468,19 @@ def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionP
 
 
 def _release_session_locks(
-    locks: ConnectionLocks, dbapi_connection: Any, driver_connection: Any
+    locks: ConnectionLocks,
+    dbapi_connection: Any,
+    driver_connection: Any,
+    *,
+    pending_only: bool = False,
 ) -> None:
-    """Unlock every session lock still recorded (each was taken once on the server)."""
+    """Unlock the session locks still recorded (each was taken once on the server):
+    only those whose release waited for a failed transaction to end, or all of them."""
     if locks.backend is None:
         return
     executor = executor_for(dbapi_connection, driver_connection)
-    for holding in locks.session_holdings():
+    holdings = list(locks.pending_release) if pending_only else locks.session_holdings()
+    locks.pending_release.clear()
+    for holding in holdings:
         locks.forget(holding)
         locks.backend.release(executor, holding.key, shared=holding.shared)
-    locks.pending_release.clear()
