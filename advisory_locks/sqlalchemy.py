@@ -23,6 +23,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import Pool, PoolProxiedConnection
+from sqlalchemy.sql.expression import SavepointClause
 from sqlalchemy.util import greenlet_spawn
 
 from advisory_locks.backends import Backend, backend_for_dialect
@@ -427,9 +428,13 @@ def _transaction_began(connection: Connection) -> None:
         )
 
 
-@event.listens_for(Engine, "savepoint")
-def _savepoint_started(connection: Connection, name: str) -> None:
-    connection_locks(connection.info).savepoint_started(name)
+@event.listens_for(Engine, "before_execute")
+def _savepoint_started(connection: Connection, statement: object, *arguments: object) -> None:
+    # Not the "savepoint" event: SQLAlchemy fires it before naming an automatic
+    # savepoint (begin_nested(), Session savepoints), so its name is None there and a
+    # later rollback to it could not be matched. The SAVEPOINT statement has the name.
+    if isinstance(statement, SavepointClause):
+        connection_locks(connection.info).savepoint_started(statement.ident)
 
 
 @event.listens_for(Engine, "rollback_savepoint")
