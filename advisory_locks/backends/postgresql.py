@@ -28,10 +28,13 @@ CONNECTION_GONE: Final = frozenset({"57P01", "57P02", "57P03", "25P03"})
 SAVEPOINT: Final = "advisory_locks_acquire"
 SAVED_TIMEOUT_SETTING: Final = "advisory_locks.saved_lock_timeout"
 
+# pg_locks does not say when a lock was granted. The holder's connection start bounds it
+# from above; its transaction start does not: a session lock outlives the transaction
+# that took it, and a later BEGIN moves xact_start past the grant.
 LIST_LOCKS_SQL: Final = """
 SELECT l.pid, l.classid::int8, l.objid::int8, l.objsubid::int4, l.mode, l.granted,
        EXTRACT(EPOCH FROM now() - l.waitstart)::float8,
-       EXTRACT(EPOCH FROM now() - COALESCE(a.xact_start, a.backend_start))::float8,
+       EXTRACT(EPOCH FROM now() - a.backend_start)::float8,
        COALESCE(a.application_name, ''), host(a.client_addr), a.state,
        COALESCE(a.query, '')
 FROM pg_catalog.pg_locks AS l
