@@ -1,0 +1,394 @@
+"""The ``advisory-locks`` command: print a name's key, list the locks a database holds.
+
+``key`` needs only the standard library, so it works wherever the package is installed;
+``list`` connects through SQLAlchemy and the dialect backend, like the library itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+from advisory_locks.errors import AdvisoryLockError
+from advisory_locks.keys import (
+    DEFAULT_SCHEME,
+    KEY_SCHEMES,
+    PREFIX_ENV,
+    SCHEME_ENV,
+    LockKey,
+    LockName,
+    derive_key,
+)
+
+if TYPE_CHECKING:
+    from advisory_locks.backends.base import LockedRow
+
+__all__ = ["main"]
+
+PROGRAM = "advisory-locks"
+URL_ENVIRONMENT = ("ADVISORY_LOCKS_URL", "DATABASE_URL")
+USAGE_ERROR = 2
+CONNECT_TIMEOUT_SECONDS = 10
+# Without a terminal there is no width to fit; still keep one row per lock readable.
+UNFITTED_QUERY_CHARS = 200
+MIN_QUERY_CHARS = 20
+
+KEY_EPILOG = f"""\
+A NAME is always text, hashed by the key scheme: `key 42` is the key of the string "42".
+Pass --int to use an integer as the key itself, or --pair A B for PostgreSQL's two-key form.
+
+On a terminal the key is followed by its pg_locks ids and SQL to paste into psql. When
+the output is piped, only the key line is printed, so scripts can write
+  psql -c "SELECT pg_advisory_lock($({PROGRAM} key nightly-report))"
+(--details prints everything anyway; --json prints it as one JSON object.)
+
+Defaults come from ${SCHEME_ENV} and ${PREFIX_ENV}, like the library.
+"""
+
+LIST_EPILOG = """\
+FOR is how long a waiter has waited, or for a holder an upper bound:
+PostgreSQL does not record when an advisory lock was granted, so it shows the time since
+the holder's connection started. Only the current database's locks are listed.
+"""
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for; reported on stderr with exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the process exit status."""
+    parser = _parser()
+    try:
+        arguments = parser.parse_args(argv)
+    except SystemExit as exit_:
+        # argparse exits for --help and usage errors; callers of main() get a status.
+        return exit_.code if isinstance(exit_.code, int) else USAGE_ERROR
+    if arguments.command is None:
+        parser.print_help(sys.stderr)
+        return USAGE_ERROR
+    try:
+        if arguments.command == "key":
+            return _run_key(arguments, sys.stdout)
+        return _run_list(arguments, sys.stdout)
+    except UsageError as error:
+        print(f"{PROGRAM} {arguments.command}: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROGRAM, description="Inspect database advisory locks taken by advisory-locks."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    key = commands.add_parser(
+        "key",
+        help="print the key(s) the server sees for a lock name",
+        description="Print the key(s) the database server sees for a lock name.",
+        epilog=KEY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    key.add_argument("name", nargs="?", metavar="NAME", help="the lock name (text)")
+    key.add_argument(
+        "--scheme",
+        choices=KEY_SCHEMES,
+        help=f"how text becomes a key (default: ${SCHEME_ENV} or {DEFAULT_SCHEME})",
+    )
+    key.add_argument("--prefix", help=f"namespace prepended to text names (default: ${PREFIX_ENV})")
+    key.add_argument(
+        "--int", action="store_true", help="NAME is a signed 64-bit integer key, not text"
+    )
+    key.add_argument(
+        "--pair",
+        nargs=2,
+        type=int,
+        metavar=("A", "B"),
+        help="the two signed 32-bit keys of PostgreSQL's two-key form (instead of NAME)",
+    )
+    output = key.add_mutually_exclusive_group()
+    output.add_argument(
+        "--details", action="store_true", help="explain the key even when output is piped"
+    )
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+
+    list_ = commands.add_parser(
+        "list",
+        help="show held and awaited advisory locks",
+        description="Show the advisory locks held and awaited in a PostgreSQL database.",
+        epilog=LIST_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    list_.add_argument(
+        "--url",
+        help="SQLAlchemy or libpq-style URL, e.g. postgresql://user@host/db "
+        f"(default: ${URL_ENVIRONMENT[0]}, then ${URL_ENVIRONMENT[1]})",
+    )
+    list_.add_argument("--json", action="store_true", help="print a JSON array, one object a lock")
+    return parser
+
+
+# --- key ----------------------------------------------------------------------------------
+
+
+def _run_key(arguments: argparse.Namespace, out: TextIO) -> int:
+    name = _name_from(arguments)
+    scheme: str | None = None
+    prefix: str | None = None
+    if isinstance(name, str):
+        scheme = arguments.scheme or os.environ.get(SCHEME_ENV) or DEFAULT_SCHEME
+        prefix = arguments.prefix if arguments.prefix is not None else os.environ.get(PREFIX_ENV)
+    try:
+        key = derive_key(name, scheme=scheme, prefix=prefix)
+    except (TypeError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    if arguments.json:
+        json.dump(_key_document(key, scheme, prefix), out, ensure_ascii=False)
+        out.write("\n")
+        return 0
+    out.write(" ".join(str(part) for part in key.ints) + "\n")
+    if arguments.details or out.isatty():
+        out.write(_key_details(key, scheme, prefix))
+    return 0
+
+
+def _name_from(arguments: argparse.Namespace) -> LockName:
+    if arguments.pair is not None:
+        if arguments.name is not None or arguments.int:
+            raise UsageError("give either NAME or --pair A B, not both")
+        first, second = arguments.pair
+        return (first, second)
+    if arguments.name is None:
+        raise UsageError("a NAME (or --pair A B) is required")
+    if arguments.int:
+        try:
+            return int(arguments.name)
+        except ValueError:
+            raise UsageError(f"--int needs an integer NAME, not {arguments.name!r}") from None
+    if not isinstance(arguments.name, str):  # pragma: no cover - argparse gives str
+        raise UsageError("NAME must be text")
+    return str(arguments.name)
+
+
+def _key_document(key: LockKey, scheme: str | None, prefix: str | None) -> dict[str, Any]:
+    classid, objid, objsubid = key.pg_locks_ids()
+    return {
+        "name": list(key.name) if isinstance(key.name, tuple) else key.name,
+        "scheme": scheme,
+        "prefix": prefix or None,
+        "key": list(key.ints) if len(key.ints) == 2 else key.ints[0],
+        "pg_locks": {"classid": classid, "objid": objid, "objsubid": objsubid},
+        "lock_sql": f"SELECT pg_advisory_lock({_sql_arguments(key)});",
+        "unlock_sql": f"SELECT pg_advisory_unlock({_sql_arguments(key)});",
+    }
+
+
+def _key_details(key: LockKey, scheme: str | None, prefix: str | None) -> str:
+    classid, objid, objsubid = key.pg_locks_ids()
+    arguments = _sql_arguments(key)
+    if isinstance(key.name, str):
+        described = f"{key.name!r} (text; scheme {scheme}, " + (
+            f"prefix {prefix!r})" if prefix else "no prefix)"
+        )
+    elif isinstance(key.name, tuple):
+        described = f"{key.name} (a pair: used as the key itself)"
+    else:
+        described = f"{key.name} (an integer: used as the key itself)"
+    kind = "two int4 keys" if len(key.ints) == 2 else "one bigint key"
+    lines = [
+        "",
+        f"name      {described}",
+        f"key       {arguments} ({kind})",
+        f"pg_locks  classid={classid} objid={objid} objsubid={objsubid}",
+    ]
+    if isinstance(key.name, str) and _looks_like_integer(key.name):
+        lines.append(f"note      hashed as text; use --int to make {key.name} the key itself")
+    lines += [
+        "",
+        "-- in psql:",
+        f"SELECT pg_advisory_lock({arguments});",
+        f"SELECT pg_advisory_unlock({arguments});",
+        "SELECT pid, mode, granted FROM pg_locks WHERE locktype = 'advisory'",
+        f"  AND classid = {classid} AND objid = {objid} AND objsubid = {objsubid};",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _sql_arguments(key: LockKey) -> str:
+    return ", ".join(str(part) for part in key.ints)
+
+
+def _looks_like_integer(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+# --- list ---------------------------------------------------------------------------------
+
+
+def _run_list(arguments: argparse.Namespace, out: TextIO) -> int:
+    url = arguments.url or next(
+        (os.environ[name] for name in URL_ENVIRONMENT if os.environ.get(name)), None
+    )
+    if not url:
+        raise UsageError(
+            f"no database: pass --url or set ${URL_ENVIRONMENT[0]} or ${URL_ENVIRONMENT[1]}"
+        )
+    rows = _fetch_locks(url)
+    if arguments.json:
+        json.dump([_row_document(row) for row in rows], out, ensure_ascii=False, indent=2)
+        out.write("\n")
+    else:
+        out.write(_table(rows, out))
+    return 0
+
+
+def _fetch_locks(url_text: str) -> list[LockedRow]:
+    try:
+        from sqlalchemy import create_engine
+        from sqlalchemy.exc import SQLAlchemyError
+        from sqlalchemy.pool import NullPool
+    except ImportError:
+        raise UsageError("needs SQLAlchemy: pip install 'advisory-locks[sqlalchemy]'") from None
+    from advisory_locks.backends import backend_for_dialect
+    from advisory_locks.executors import executor_for
+
+    shown = url_text
+    try:
+        url = _sync_url(url_text)
+        shown = url.render_as_string(hide_password=True)
+        connect_args = {}
+        if url.get_driver_name() in ("psycopg", "psycopg2") and "connect_timeout" not in url.query:
+            connect_args["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
+        backend = backend_for_dialect(url.get_backend_name())
+        engine = create_engine(url, poolclass=NullPool, connect_args=connect_args)
+        try:
+            with engine.connect() as connection:
+                pooled = connection.connection
+                executor = executor_for(pooled.dbapi_connection, pooled.driver_connection)
+                return backend.list_locks(executor)
+        finally:
+            engine.dispose()
+    except (SQLAlchemyError, AdvisoryLockError, ImportError, ValueError) as error:
+        raise UsageError(f"cannot list locks on {shown}: {_first_line(error)}") from None
+
+
+def _sync_url(text: str) -> Any:
+    from sqlalchemy.engine import make_url
+
+    url = make_url(text)
+    backend, _, driver = url.drivername.partition("+")
+    # Heroku-style DATABASE_URLs say postgres://, which SQLAlchemy no longer accepts.
+    if backend == "postgres":
+        backend = "postgresql"
+    # A bare postgresql:// means psycopg2 to SQLAlchemy; prefer psycopg 3 when present.
+    # Async drivers need an event loop for nothing here, so use a sync one instead.
+    if backend == "postgresql" and driver in ("", "asyncpg", "psycopg_async"):
+        driver = "psycopg" if _installed("psycopg") else "psycopg2"
+    return url.set(drivername=f"{backend}+{driver}" if driver else backend)
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _first_line(error: BaseException) -> str:
+    # SQLAlchemy appends SQL and a link to its docs; the driver's reason comes first.
+    cause = getattr(error, "orig", None) or error
+    text = str(cause).strip() or type(cause).__name__
+    return " ".join(text.splitlines()[0].split())
+
+
+def _row_document(row: LockedRow) -> dict[str, Any]:
+    classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
+    return {
+        "pid": row.pid,
+        "key": list(row.key) if isinstance(row.key, tuple) else row.key,
+        "pg_locks": {"classid": classid, "objid": objid, "objsubid": objsubid},
+        "mode": row.mode,
+        "granted": row.granted,
+        "waiting_seconds": row.waiting_seconds,
+        "held_at_most_seconds": row.held_at_most_seconds,
+        "application_name": row.application_name,
+        "client_addr": row.client_addr,
+        "state": row.state,
+        "query": row.query,
+    }
+
+
+def _table(rows: list[LockedRow], out: TextIO) -> str:
+    if not rows:
+        return "No advisory locks are held or awaited in this database.\n"
+    at_most = _at_most_sign(out)
+    header = ("PID", "STATUS", "MODE", "FOR", "KEY", "PG_LOCKS", "APPLICATION", "CLIENT", "STATE")
+    cells = [header]
+    for row in rows:
+        classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
+        if row.granted:
+            status, duration = "held", _duration(row.held_at_most_seconds, at_most)
+        else:
+            status, duration = "waiting", _duration(row.waiting_seconds, "")
+        key = ",".join(map(str, row.key)) if isinstance(row.key, tuple) else str(row.key)
+        cells.append(
+            (
+                str(row.pid),
+                status,
+                row.mode,
+                duration,
+                key,
+                f"{classid}/{objid}/{objsubid}",
+                row.application_name or "-",
+                row.client_addr or "local",
+                row.state or "-",
+            )
+        )
+    widths = [max(len(line[column]) for line in cells) for column in range(len(header))]
+    prefix_width = sum(widths) + 2 * len(widths)
+    if out.isatty():
+        room = max(MIN_QUERY_CHARS, shutil.get_terminal_size().columns - prefix_width)
+    else:
+        room = UNFITTED_QUERY_CHARS
+    queries = ["QUERY", *(_shorten(" ".join(row.query.split()), room) for row in rows)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True))
+        + "  "
+        + query
+        for line, query in zip(cells, queries, strict=True)
+    ]
+    lines.append("")
+    if any(row.granted for row in rows):
+        lines.append(f"{at_most} held at most this long (since the holder's connection started)")
+    lines.append("QUERY is the connection's current statement, or its last one when STATE is idle")
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _duration(seconds: float | None, qualifier: str) -> str:
+    if seconds is None:
+        return "?"
+    text = f"{seconds:.1f}s" if seconds < 600 else f"{seconds / 60:.0f}min"
+    return f"{qualifier} {text}" if qualifier else text
+
+
+def _at_most_sign(out: TextIO) -> str:
+    # Consoles with a legacy encoding cannot print the mathematical sign.
+    try:
+        "≤".encode(getattr(out, "encoding", None) or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return "<="
+    return "≤"
+
+
+def _shorten(text: str, room: int) -> str:
+    return text if len(text) <= room else text[: room - 3] + "..."
