@@ -1,0 +1,498 @@
+"""Specification of the ``advisory-locks`` command line: ``key`` and ``list``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import TupleRow
+from sqlalchemy.engine import URL
+
+from advisory_locks.cli import main
+from advisory_locks.keys import derive_key, lock_key
+from tests.databases import psycopg_connect
+
+OBSERVE_DEADLINE_SECONDS = 10.0
+
+
+@pytest.fixture(autouse=True)
+def _no_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in (
+        "ADVISORY_LOCKS_KEY_SCHEME",
+        "ADVISORY_LOCKS_PREFIX",
+        "ADVISORY_LOCKS_URL",
+        "DATABASE_URL",
+    ):
+        monkeypatch.delenv(variable, raising=False)
+
+
+class Terminal(io.StringIO):
+    """Captured output that says it is a terminal, as an interactive shell's would."""
+
+    encoding = "utf-8"
+
+    def isatty(self) -> bool:
+        return True
+
+
+# --- key ----------------------------------------------------------------------------------
+
+
+def test_key_prints_only_the_key_when_output_is_piped(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "test"]) == 0
+    assert capsys.readouterr().out == "-6951639720043709083\n"
+
+
+def test_key_prints_a_pair_scheme_as_two_space_separated_integers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["key", "test", "--scheme", "rails"]) == 0
+    assert capsys.readouterr().out == "1484750348 0\n"
+
+
+def test_key_uses_the_pglock_scheme_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "test", "--scheme", "pglock"]) == 0
+    assert capsys.readouterr().out == "7313085519096743583\n"
+
+
+def test_key_applies_the_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "test", "--prefix", "billing:"]) == 0
+    assert capsys.readouterr().out == f"{lock_key('test', prefix='billing:')}\n"
+
+
+def test_key_passes_a_rails_prefix_as_the_second_key(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "test", "--scheme", "rails", "--prefix", "7"]) == 0
+    assert capsys.readouterr().out == "1484750348 7\n"
+
+
+def test_key_takes_the_scheme_from_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ADVISORY_LOCKS_KEY_SCHEME", "rails")
+    assert main(["key", "test"]) == 0
+    assert capsys.readouterr().out == "1484750348 0\n"
+
+
+def test_key_takes_the_prefix_from_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ADVISORY_LOCKS_PREFIX", "billing:")
+    assert main(["key", "test"]) == 0
+    assert capsys.readouterr().out == "-7887281703547300716\n"
+
+
+def test_key_hashes_a_name_that_looks_like_an_integer_as_text(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["key", "42"]) == 0
+    assert capsys.readouterr().out == f"{lock_key('42')}\n"
+
+
+def test_key_with_int_uses_the_integer_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "--int", "-42"]) == 0
+    assert capsys.readouterr().out == "-42\n"
+
+
+def test_key_with_pair_uses_the_two_integers_themselves(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["key", "--pair", "-1", "5"]) == 0
+    assert capsys.readouterr().out == "-1 5\n"
+
+
+def test_key_on_a_terminal_explains_pg_locks_ids_and_psql(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    assert main(["key", "test"]) == 0
+    lines = terminal.getvalue().splitlines()
+    assert lines[0] == "-6951639720043709083"
+    assert "pg_locks  classid=2676412545 objid=2286714213 objsubid=1" in lines
+    assert "SELECT pg_advisory_lock(-6951639720043709083);" in lines
+    assert "SELECT pg_advisory_unlock(-6951639720043709083);" in lines
+
+
+def test_key_details_flag_explains_even_when_piped(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "--details", "test", "--scheme", "rails"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "1484750348 0"
+    assert "pg_locks  classid=1484750348 objid=0 objsubid=2" in lines
+    assert "SELECT pg_advisory_lock(1484750348, 0);" in lines
+
+
+def test_key_details_point_out_that_an_integer_looking_name_was_hashed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["key", "--details", "42"]) == 0
+    assert "use --int" in capsys.readouterr().out
+
+
+def test_key_json_has_the_key_pg_locks_ids_and_sql(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "--json", "café", "--prefix", "shop/"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    key = lock_key("café", prefix="shop/")
+    classid, objid, objsubid = derive_key("café", prefix="shop/").pg_locks_ids()
+    assert document == {
+        "name": "café",
+        "scheme": "sha256",
+        "prefix": "shop/",
+        "key": key,
+        "pg_locks": {"classid": classid, "objid": objid, "objsubid": objsubid},
+        "lock_sql": f"SELECT pg_advisory_lock({key});",
+        "unlock_sql": f"SELECT pg_advisory_unlock({key});",
+    }
+
+
+def test_key_json_gives_a_pair_as_a_list(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "--json", "test", "--scheme", "rails"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["key"] == [1484750348, 0]
+    assert document["pg_locks"] == {"classid": 1484750348, "objid": 0, "objsubid": 2}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["key", ""], "must not be empty"),
+        (["key", "--int", "forty-two"], "--int needs an integer"),
+        (["key", "--int", str(2**63)], "64-bit"),
+        (["key", "--pair", str(2**31), "0"], "32-bit"),
+        (["key", "x", "--pair", "1", "2"], "not both"),
+        (["key"], "NAME"),
+        (["key", "x", "--scheme", "rails", "--prefix", "billing"], "integer prefix"),
+        (["key", "\udcff"], "not valid Unicode"),
+    ],
+)
+def test_key_reports_bad_input_on_stderr_with_status_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert message in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_key_rejects_an_unknown_scheme(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "x", "--scheme", "md5"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "key" in capsys.readouterr().err
+
+
+def test_help_succeeds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "--help"]) == 0
+    assert "--int" in capsys.readouterr().out
+
+
+def test_python_dash_m_prints_the_rails_key() -> None:
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("ADVISORY_LOCKS_KEY_SCHEME", "ADVISORY_LOCKS_PREFIX")
+    }
+    completed = subprocess.run(
+        [sys.executable, "-m", "advisory_locks", "key", "test", "--scheme", "rails"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (completed.returncode, completed.stdout, completed.stderr) == (0, "1484750348 0\n", "")
+
+
+# --- list ---------------------------------------------------------------------------------
+
+
+def url_text(url: URL) -> str:
+    return url.render_as_string(hide_password=False)
+
+
+def unique_key() -> int:
+    # Other tests and other engineers' runs share the server; a fresh key is ours alone.
+    return lock_key(f"cli-test-{uuid.uuid4()}")  # type: ignore[return-value]
+
+
+@pytest.fixture
+def connect(postgres_url: URL) -> Iterator[Any]:
+    """Opens autocommit connections tagged with an application_name; closes them after."""
+    opened: list[psycopg.Connection[TupleRow]] = []
+
+    def open_connection(application_name: str) -> psycopg.Connection[TupleRow]:
+        connection = psycopg_connect(
+            postgres_url.update_query_dict({"application_name": application_name}),
+            autocommit=True,
+        )
+        opened.append(connection)
+        return connection
+
+    yield open_connection
+    for connection in opened:
+        connection.close()
+
+
+@contextlib.contextmanager
+def waiting(
+    waiter: psycopg.Connection[TupleRow],
+    key: int,
+    admin: psycopg.Connection[TupleRow],
+    sql: str = "SELECT pg_advisory_lock(%s)",
+) -> Iterator[None]:
+    """Block ``waiter`` in ``sql`` on a thread until the block exits and the lock frees."""
+    thread = threading.Thread(target=waiter.execute, args=(sql, (key,)), daemon=True)
+    thread.start()
+    try:
+        wait_until_waiting(admin, waiter.info.backend_pid)
+        yield
+    finally:
+        # The caller releases the holder inside the block, so the waiter is granted. If the
+        # block failed first, closing the holder in teardown frees the waiter instead.
+        thread.join(OBSERVE_DEADLINE_SECONDS)
+
+
+def wait_until_waiting(admin: psycopg.Connection[TupleRow], pid: int) -> None:
+    # Observing server state, not synchronising: waitstart is set once the wait is queued.
+    deadline = time.monotonic() + OBSERVE_DEADLINE_SECONDS
+    query = """
+        SELECT count(*) FROM pg_locks
+        WHERE locktype = 'advisory' AND pid = %s AND NOT granted AND waitstart IS NOT NULL
+    """
+    while time.monotonic() < deadline:
+        row = admin.execute(query, (pid,)).fetchone()
+        if row is not None and row[0]:
+            return
+    pytest.fail(f"backend {pid} never showed up as waiting in pg_locks")
+
+
+def list_json(url: URL, capsys: pytest.CaptureFixture[str], key: object) -> list[dict[str, Any]]:
+    assert main(["list", "--url", url_text(url), "--json"]) == 0
+    rows: list[dict[str, Any]] = json.loads(capsys.readouterr().out)
+    return [row for row in rows if row["key"] == key]
+
+
+def test_list_shows_the_holder_and_the_waiter_of_a_lock(
+    postgres_url: URL,
+    connect: Any,
+    pg_admin: psycopg.Connection[TupleRow],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    key = unique_key()
+    holder, waiter = connect("cli-holder"), connect("cli-waiter")
+    holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+    with waiting(waiter, key, pg_admin):
+        rows = list_json(postgres_url, capsys, key)
+        holder.execute("SELECT pg_advisory_unlock(%s)", (key,))
+    summary = [(r["pid"], r["granted"], r["mode"], r["application_name"]) for r in rows]
+    assert summary == [
+        (holder.info.backend_pid, True, "exclusive", "cli-holder"),
+        (waiter.info.backend_pid, False, "exclusive", "cli-waiter"),
+    ]
+
+
+def test_list_reports_how_long_a_waiter_waited_and_what_it_runs(
+    postgres_url: URL,
+    connect: Any,
+    pg_admin: psycopg.Connection[TupleRow],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    key = unique_key()
+    holder, waiter = connect("cli-holder"), connect("cli-waiter")
+    holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+    with waiting(waiter, key, pg_admin):
+        (waiter_row,) = [row for row in list_json(postgres_url, capsys, key) if not row["granted"]]
+        holder.execute("SELECT pg_advisory_unlock(%s)", (key,))
+    assert waiter_row["waiting_seconds"] >= 0
+    assert waiter_row["held_at_most_seconds"] is None
+    assert waiter_row["state"] == "active"
+    assert "pg_advisory_lock" in waiter_row["query"]
+
+
+def test_list_gives_the_pg_locks_ids_of_each_key(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = unique_key()
+    holder = connect("cli-holder")
+    holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+    (row,) = list_json(postgres_url, capsys, key)
+    classid, objid, objsubid = derive_key(key).pg_locks_ids()
+    assert row["pg_locks"] == {"classid": classid, "objid": objid, "objsubid": objsubid}
+
+
+def test_list_shows_a_pair_key_as_a_pair(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = unique_key() & 0x7FFFFFFF
+    holder = connect("cli-holder")
+    holder.execute("SELECT pg_advisory_lock(%s, %s)", (first, -7))
+    (row,) = list_json(postgres_url, capsys, [first, -7])
+    assert (row["pid"], row["pg_locks"]["objsubid"]) == (holder.info.backend_pid, 2)
+
+
+def test_list_shows_every_holder_of_a_shared_lock_and_an_exclusive_waiter(
+    postgres_url: URL,
+    connect: Any,
+    pg_admin: psycopg.Connection[TupleRow],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    key = unique_key()
+    readers = [connect("cli-reader-1"), connect("cli-reader-2")]
+    writer = connect("cli-writer")
+    for reader in readers:
+        reader.execute("SELECT pg_advisory_lock_shared(%s)", (key,))
+    with waiting(writer, key, pg_admin):
+        rows = list_json(postgres_url, capsys, key)
+        for reader in readers:
+            reader.execute("SELECT pg_advisory_unlock_shared(%s)", (key,))
+    summary = sorted((r["pid"], r["granted"], r["mode"]) for r in rows)
+    assert summary == sorted(
+        [
+            (readers[0].info.backend_pid, True, "shared"),
+            (readers[1].info.backend_pid, True, "shared"),
+            (writer.info.backend_pid, False, "exclusive"),
+        ]
+    )
+
+
+def test_list_held_for_is_an_upper_bound_even_after_a_later_transaction(
+    postgres_url: URL,
+    connect: Any,
+    pg_admin: psycopg.Connection[TupleRow],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    key = unique_key()
+    holder = connect("cli-holder")
+    (granted_at,) = holder.execute(
+        "SELECT clock_timestamp() FROM pg_advisory_lock(%s)", (key,)
+    ).fetchone()
+    # A session lock outlives its transaction: a transaction begun later must not make
+    # the lock look younger than it is. The server-side pause makes the gap measurable.
+    holder.execute("SELECT pg_sleep(0.3)")
+    with holder.transaction():
+        holder.execute("SELECT 1")
+        (age,) = pg_admin.execute(
+            "SELECT EXTRACT(EPOCH FROM clock_timestamp() - %s)::float8", (granted_at,)
+        ).fetchone()  # type: ignore[misc]
+        (row,) = list_json(postgres_url, capsys, key)
+    assert row["held_at_most_seconds"] >= age
+
+
+def test_list_table_has_one_line_per_lock_with_pid_status_and_key(
+    postgres_url: URL,
+    connect: Any,
+    pg_admin: psycopg.Connection[TupleRow],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    key = unique_key()
+    holder, waiter = connect("cli-holder"), connect("cli-waiter")
+    holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+    with waiting(waiter, key, pg_admin):
+        assert main(["list", "--url", url_text(postgres_url)]) == 0
+        holder.execute("SELECT pg_advisory_unlock(%s)", (key,))
+    lines = capsys.readouterr().out.splitlines()
+    ours = [line.split()[:3] for line in lines if str(key) in line.split()]
+    assert ours == [
+        [str(holder.info.backend_pid), "held", "exclusive"],
+        [str(waiter.info.backend_pid), "waiting", "exclusive"],
+    ]
+    assert lines[0].split()[:5] == ["PID", "STATUS", "MODE", "FOR", "KEY"]
+
+
+def test_list_marks_a_holders_duration_as_an_upper_bound(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = unique_key()
+    connect("cli-holder").execute("SELECT pg_advisory_lock(%s)", (key,))
+    assert main(["list", "--url", url_text(postgres_url)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if str(key) in line.split()]
+    assert " ≤ " in line
+
+
+def test_list_accepts_a_bare_postgresql_url(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = unique_key()
+    connect("cli-holder").execute("SELECT pg_advisory_lock(%s)", (key,))
+    assert len(list_json(postgres_url.set(drivername="postgresql"), capsys, key)) == 1
+
+
+def test_list_accepts_a_heroku_style_postgres_url(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = unique_key()
+    connect("cli-holder").execute("SELECT pg_advisory_lock(%s)", (key,))
+    assert len(list_json(postgres_url.set(drivername="postgres"), capsys, key)) == 1
+
+
+def test_list_accepts_an_async_driver_url(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = unique_key()
+    connect("cli-holder").execute("SELECT pg_advisory_lock(%s)", (key,))
+    assert len(list_json(postgres_url.set(drivername="postgresql+asyncpg"), capsys, key)) == 1
+
+
+@pytest.mark.parametrize("variable", ["ADVISORY_LOCKS_URL", "DATABASE_URL"])
+def test_list_takes_the_url_from_the_environment(
+    variable: str,
+    postgres_url: URL,
+    connect: Any,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    key = unique_key()
+    holder = connect("cli-holder")
+    holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+    monkeypatch.setenv(variable, url_text(postgres_url))
+    assert main(["list", "--json"]) == 0
+    rows = [row for row in json.loads(capsys.readouterr().out) if row["key"] == key]
+    assert [row["pid"] for row in rows] == [holder.info.backend_pid]
+
+
+def test_list_without_a_url_fails_with_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list"]) == 2
+    assert "--url" in capsys.readouterr().err
+
+
+def test_list_reports_an_unreachable_server_without_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = "postgresql://postgres:s3cret@127.0.0.1:1/test"
+    assert main(["list", "--url", url]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("advisory-locks list: cannot list locks on ")
+    assert "127.0.0.1:1" in captured.err
+    assert "s3cret" not in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_list_reports_a_malformed_url(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list", "--url", "not a url"]) == 2
+    assert "cannot list locks on not a url" in capsys.readouterr().err
+
+
+def test_list_through_a_subprocess_fails_cleanly_for_an_unreachable_server() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "advisory_locks", "list", "--url", "postgresql://127.0.0.1:1/x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert completed.returncode == 2
+    assert "Traceback" not in completed.stderr
+    assert "cannot list locks" in completed.stderr
