@@ -128,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     list_.add_argument(
         "--url",
-        help="SQLAlchemy or libpq-style URL, e.g. postgresql://user@host/db "
+        help="database URL, e.g. postgresql://user@host/db or any SQLAlchemy URL "
         f"(default: ${URL_ENVIRONMENT[0]}, then ${URL_ENVIRONMENT[1]})",
     )
     list_.add_argument("--json", action="store_true", help="print a JSON array, one object a lock")
