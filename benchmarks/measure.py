@@ -1,0 +1,125 @@
+"""Interleaved timing: every case runs once per round, rounds alternate (A B A B ...).
+
+A laptop's clock speed, a neighbour's cron job or a vacuum on the server drift over
+seconds; running every case in every round spreads that drift over all cases alike, and a
+ratio taken within one round cancels most of what is left.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from time import perf_counter_ns
+from typing import Protocol
+
+__all__ = ["Case", "CaseSamples", "Stopwatch", "Timer", "interleave", "percentile"]
+
+
+class Stopwatch(Protocol):
+    """Brackets the part of an operation that counts (time, or round trips)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Timer:
+    """A stopwatch that records nanoseconds, one sample per start/stop."""
+
+    __slots__ = ("_started", "samples")
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+        self._started = 0
+
+    def start(self) -> None:
+        self._started = perf_counter_ns()
+
+    def stop(self) -> None:
+        self.samples.append(perf_counter_ns() - self._started)
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass
+class Case:
+    """One operation to time, e.g. "acquire with a timeout, then release".
+
+    ``operation`` performs the operation once, bracketing the part that counts with the
+    stopwatch it is given, so a case can keep its own preparation (opening the caller's
+    transaction, say) out of both the time and the round-trip count.
+    """
+
+    name: str
+    group: str
+    description: str
+    operation: Callable[[Stopwatch], None]
+    # The raw-driver case this one should match, for a like-for-like ratio.
+    twin: str | None = None
+    # Untimed hooks around each round (e.g. taking an outer lock for a re-entrancy case).
+    before_round: Callable[[], None] = _nothing
+    after_round: Callable[[], None] = _nothing
+    # File descriptors of the TCP sockets the operation talks over (for round trips).
+    sockets: Callable[[], list[int]] = list
+
+
+@dataclass
+class CaseSamples:
+    """Nanosecond samples of one case, kept per round."""
+
+    case: Case
+    rounds: list[list[int]] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[int]:
+        return [sample for samples in self.rounds for sample in samples]
+
+    def round_medians(self) -> list[float]:
+        return [statistics.median(samples) for samples in self.rounds]
+
+
+def interleave(
+    cases: Sequence[Case],
+    *,
+    rounds: int,
+    iterations: int,
+    warmup: int,
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict[str, CaseSamples]:
+    """Time every case ``iterations`` times per round, for ``rounds`` rounds."""
+    results = {case.name: CaseSamples(case) for case in cases}
+    for case in cases:
+        case.before_round()
+        warming = Timer()
+        for _ in range(warmup):
+            case.operation(warming)
+        case.after_round()
+    for number in range(rounds):
+        # Rotating the order keeps any case from always running right after another
+        # (which can warm or chill the server's caches for it).
+        shift = number % len(cases)
+        for case in [*cases[shift:], *cases[:shift]]:
+            timer = Timer()
+            case.before_round()
+            try:
+                for _ in range(iterations):
+                    case.operation(timer)
+            finally:
+                case.after_round()
+            results[case.name].rounds.append(timer.samples)
+        progress(f"round {number + 1}/{rounds} done")
+    return results
+
+
+def percentile(samples: Sequence[float], fraction: float) -> float:
+    """The ``fraction`` quantile (0..1) by linear interpolation between ranks."""
+    ordered = sorted(samples)
+    if not ordered:
+        raise ValueError("no samples")
+    position = fraction * (len(ordered) - 1)
+    lower = int(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
