@@ -1,0 +1,172 @@
+"""Turn samples into figures (medians, percentiles, ratios) and write them out.
+
+Writers take a finished :class:`Report`, so another output (a chart, a docs page) is one
+more function over the same object.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from benchmarks.measure import CaseSamples, percentile
+
+__all__ = [
+    "HandoffResult",
+    "Report",
+    "UncontendedResult",
+    "handoff_results",
+    "uncontended_results",
+    "write_json",
+    "write_table",
+]
+
+
+@dataclass
+class UncontendedResult:
+    name: str
+    group: str
+    description: str
+    twin: str | None
+    samples: int
+    median_us: float
+    p90_us: float
+    p99_us: float
+    # Median over rounds of (this case's round median / the other case's round median).
+    ratio_to_floor: float
+    ratio_to_twin: float | None
+    round_ratios_to_floor: list[float]
+    round_trips: float | None
+
+
+@dataclass
+class HandoffResult:
+    name: str
+    description: str
+    trials: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    ratio_p50_to_raw: float | None
+    latencies_ms: list[float] = field(repr=False)
+
+
+@dataclass
+class Report:
+    environment: dict[str, str]
+    settings: dict[str, object]
+    floor: str
+    uncontended: list[UncontendedResult]
+    handoff: list[HandoffResult]
+
+
+def _round_ratios(case: CaseSamples, other: CaseSamples) -> list[float]:
+    return [
+        mine / theirs
+        for mine, theirs in zip(case.round_medians(), other.round_medians(), strict=True)
+    ]
+
+
+def uncontended_results(
+    samples: dict[str, CaseSamples], floor: str, round_trips: dict[str, float | None]
+) -> list[UncontendedResult]:
+    results = []
+    for name, case_samples in samples.items():
+        everything = case_samples.all
+        to_floor = _round_ratios(case_samples, samples[floor])
+        twin = case_samples.case.twin
+        results.append(
+            UncontendedResult(
+                name=name,
+                group=case_samples.case.group,
+                description=case_samples.case.description,
+                twin=twin,
+                samples=len(everything),
+                median_us=statistics.median(everything) / 1000,
+                p90_us=percentile(everything, 0.9) / 1000,
+                p99_us=percentile(everything, 0.99) / 1000,
+                ratio_to_floor=statistics.median(to_floor),
+                ratio_to_twin=(
+                    statistics.median(_round_ratios(case_samples, samples[twin]))
+                    if twin in samples
+                    else None
+                ),
+                round_ratios_to_floor=to_floor,
+                round_trips=round_trips.get(name),
+            )
+        )
+    return results
+
+
+def handoff_results(
+    latencies: dict[str, list[float]], descriptions: dict[str, str], reference: str | None
+) -> list[HandoffResult]:
+    raw_p50 = statistics.median(latencies[reference]) if reference in latencies else None
+    results = []
+    for name, seconds in latencies.items():
+        p50 = statistics.median(seconds)
+        results.append(
+            HandoffResult(
+                name=name,
+                description=descriptions[name],
+                trials=len(seconds),
+                p50_ms=p50 * 1000,
+                p90_ms=percentile(seconds, 0.9) * 1000,
+                p99_ms=percentile(seconds, 0.99) * 1000,
+                ratio_p50_to_raw=None if raw_p50 is None else p50 / raw_p50,
+                latencies_ms=[value * 1000 for value in seconds],
+            )
+        )
+    return results
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _trips(value: float | None) -> str:
+    return "?" if value is None else f"{value:.1f}"
+
+
+def write_table(report: Report, stream: TextIO) -> None:
+    environment = ", ".join(f"{key} {value}" for key, value in report.environment.items())
+    settings = ", ".join(f"{key}={value}" for key, value in report.settings.items())
+    print(f"# {environment}", file=stream)
+    print(f"# {settings}", file=stream)
+    if report.uncontended:
+        print(file=stream)
+        print(f"Uncontended acquire + release (floor: {report.floor})", file=stream)
+        header = (
+            f"{'case':32} {'median us':>10} {'p90 us':>9} {'x floor':>8} "
+            f"{'x twin':>7} {'trips':>6}  twin"
+        )
+        print(header, file=stream)
+        print("-" * len(header), file=stream)
+        for row in report.uncontended:
+            print(
+                f"{row.name:32} {row.median_us:10.1f} {row.p90_us:9.1f} "
+                f"{_ratio(row.ratio_to_floor):>8} {_ratio(row.ratio_to_twin):>7} "
+                f"{_trips(row.round_trips):>6}  {row.twin or ''}",
+                file=stream,
+            )
+    if report.handoff:
+        print(file=stream)
+        print("Handoff: holder's release call -> blocked waiter's acquire returns", file=stream)
+        header = (
+            f"{'case':32} {'trials':>6} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'p50 x raw':>10}"
+        )
+        print(header, file=stream)
+        print("-" * len(header), file=stream)
+        for result in report.handoff:
+            print(
+                f"{result.name:32} {result.trials:6d} {result.p50_ms:9.3f} "
+                f"{result.p90_ms:9.3f} {result.p99_ms:9.3f} {_ratio(result.ratio_p50_to_raw):>10}",
+                file=stream,
+            )
+
+
+def write_json(report: Report, path: Path) -> None:
+    path.write_text(json.dumps(asdict(report), indent=2) + "\n", encoding="utf-8")

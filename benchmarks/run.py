@@ -1,0 +1,169 @@
+"""Entry point: ``python -m benchmarks.run [--rounds N] [--iterations N] [--json PATH]``.
+
+Everything is measured in this one process run: the raw driver floor and our cases share
+the machine's mood, and ratios are taken round by round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import platform
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import psycopg
+import sqlalchemy
+
+from benchmarks.handoff import handoff_variants, run_handoffs
+from benchmarks.measure import Case, interleave
+from benchmarks.postgres import URL_VARIABLE, database_url, server_version
+from benchmarks.report import (
+    Report,
+    handoff_results,
+    uncontended_results,
+    write_json,
+    write_table,
+)
+from benchmarks.round_trips import count_round_trips
+from benchmarks.uncontended import FLOOR, uncontended_cases
+
+GROUPS = ("uncontended", "handoff")
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = _parser().parse_args(argv)
+    url = database_url()
+
+    def progress(message: str) -> None:
+        if not arguments.quiet:
+            print(f"... {message}", file=sys.stderr, flush=True)
+
+    with ExitStack() as stack:
+        uncontended: list = []
+        handoff: list = []
+        cases = _select_cases(uncontended_cases(url, stack), arguments.only)
+        if cases:
+            progress(f"counting round trips for {len(cases)} cases")
+            trips = {case.name: count_round_trips(case, arguments.round_trip_ops) for case in cases}
+            progress(f"timing {len(cases)} cases, {arguments.rounds} rounds")
+            samples = interleave(
+                cases,
+                rounds=arguments.rounds,
+                iterations=arguments.iterations,
+                warmup=arguments.warmup,
+                progress=progress,
+            )
+            uncontended = uncontended_results(samples, FLOOR, trips)
+        variants = handoff_variants(url, stack)
+        chosen = {
+            variant.name for variant in variants if _runs(arguments.only, "handoff", variant.name)
+        }
+        if chosen:
+            variants = [
+                variant for variant in variants if variant.reference or variant.name in chosen
+            ]
+            progress(f"handoff: {len(variants)} variants")
+            latencies = run_handoffs(
+                variants,
+                url,
+                stack,
+                rounds=arguments.rounds,
+                trials=arguments.handoff_trials,
+                slow_trials=arguments.polling_trials,
+                progress=progress,
+            )
+            reference = next((variant.name for variant in variants if variant.reference), None)
+            descriptions = {variant.name: variant.description for variant in variants}
+            handoff = handoff_results(latencies, descriptions, reference)
+
+    report = Report(
+        environment=_environment(url),
+        settings={
+            "rounds": arguments.rounds,
+            "iterations": arguments.iterations,
+            "warmup": arguments.warmup,
+            "handoff_trials": arguments.handoff_trials,
+            "polling_trials": arguments.polling_trials,
+        },
+        floor=FLOOR,
+        uncontended=uncontended,
+        handoff=handoff,
+    )
+    write_table(report, sys.stdout)
+    if arguments.json is not None:
+        write_json(report, arguments.json)
+        print(f"\nJSON written to {arguments.json}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=(
+            "Measure advisory-locks against the raw psycopg floor in one interleaved run. "
+            f"Server: ${URL_VARIABLE}, else the local default."
+        ),
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument(
+        "--iterations", type=int, default=500, help="operations per case per round (default 500)"
+    )
+    parser.add_argument("--warmup", type=int, default=50, help="untimed operations per case first")
+    parser.add_argument(
+        "--handoff-trials", type=int, default=200, help="handoffs per server-side variant"
+    )
+    parser.add_argument(
+        "--polling-trials", type=int, default=30, help="handoffs for the client-polling reference"
+    )
+    parser.add_argument(
+        "--round-trip-ops", type=int, default=100, help="operations per round-trip count"
+    )
+    parser.add_argument("--json", type=Path, help="also write the full report as JSON here")
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="NAME",
+        help="run only this group (uncontended, handoff) or cases matching this glob "
+        "(e.g. 'ours.engine*'); repeatable. The references a ratio needs always run.",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return parser
+
+
+def _runs(patterns: list[str] | None, group: str, name: str) -> bool:
+    """Whether ``--only`` selects this case (by its group, or by a glob on its name)."""
+    if not patterns:
+        return True
+    return any(
+        pattern == group or (pattern not in GROUPS and fnmatch.fnmatchcase(name, pattern))
+        for pattern in patterns
+    )
+
+
+def _select_cases(cases: list[Case], patterns: list[str] | None) -> list[Case]:
+    chosen = {case.name for case in cases if _runs(patterns, "uncontended", case.name)}
+    if not chosen:
+        return []
+    # Ratios need the floor and each chosen case's raw twin.
+    chosen |= {FLOOR, "raw.select1"}
+    chosen |= {case.twin for case in cases if case.name in chosen and case.twin}
+    return [case for case in cases if case.name in chosen]
+
+
+def _environment(url: sqlalchemy.engine.URL) -> dict[str, str]:
+    return {
+        "python": platform.python_version(),
+        "psycopg": psycopg.__version__,
+        "sqlalchemy": sqlalchemy.__version__,
+        "postgresql": server_version(url),
+        "host": url.host or "local socket",
+        "platform": platform.platform(terse=True),
+        "cpus": str(os.cpu_count()),
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
