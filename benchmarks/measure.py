@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from time import perf_counter_ns
+from time import perf_counter_ns, thread_time_ns
 from typing import Protocol
 
 __all__ = ["Case", "CaseSamples", "Stopwatch", "Timer", "interleave", "percentile"]
@@ -25,19 +25,29 @@ class Stopwatch(Protocol):
 
 
 class Timer:
-    """A stopwatch that records nanoseconds, one sample per start/stop."""
+    """A stopwatch that records wall and this thread's CPU nanoseconds per start/stop.
 
-    __slots__ = ("_started", "samples")
+    CPU time is what the client itself spent (Python, driver, syscalls). Unlike wall
+    time it does not depend on how fast the scheduler wakes a process that waits on its
+    socket, which on a small VM varies several-fold from one minute to the next.
+    """
+
+    __slots__ = ("_cpu_started", "_started", "cpu_samples", "samples")
 
     def __init__(self) -> None:
         self.samples: list[int] = []
-        self._started = 0
+        self.cpu_samples: list[int] = []
+        self._started = self._cpu_started = 0
 
     def start(self) -> None:
+        # The CPU clock is a syscall (~0.5 us); read it outside the wall-clock bracket.
+        self._cpu_started = thread_time_ns()
         self._started = perf_counter_ns()
 
     def stop(self) -> None:
-        self.samples.append(perf_counter_ns() - self._started)
+        stopped = perf_counter_ns()
+        self.cpu_samples.append(thread_time_ns() - self._cpu_started)
+        self.samples.append(stopped - self._started)
 
 
 def _nothing() -> None:
@@ -72,10 +82,15 @@ class CaseSamples:
 
     case: Case
     rounds: list[list[int]] = field(default_factory=list)
+    cpu_rounds: list[list[int]] = field(default_factory=list)
 
     @property
     def all(self) -> list[int]:
         return [sample for samples in self.rounds for sample in samples]
+
+    @property
+    def all_cpu(self) -> list[int]:
+        return [sample for samples in self.cpu_rounds for sample in samples]
 
     def round_medians(self) -> list[float]:
         return [statistics.median(samples) for samples in self.rounds]
@@ -110,6 +125,7 @@ def interleave(
             finally:
                 case.after_round()
             results[case.name].rounds.append(timer.samples)
+            results[case.name].cpu_rounds.append(timer.cpu_samples)
         progress(f"round {number + 1}/{rounds} done")
     return results
 

@@ -39,6 +39,10 @@ class UncontendedResult:
     ratio_to_floor: float
     ratio_to_twin: float | None
     round_ratios_to_floor: list[float]
+    # This thread's CPU time per operation: the client's own cost, immune to how fast
+    # the scheduler wakes processes waiting on a socket.
+    cpu_median_us: float
+    cpu_ratio_to_floor: float
     round_trips: float | None
 
 
@@ -95,6 +99,11 @@ def uncontended_results(
                     else None
                 ),
                 round_ratios_to_floor=to_floor,
+                cpu_median_us=statistics.median(case_samples.all_cpu) / 1000,
+                cpu_ratio_to_floor=(
+                    statistics.median(case_samples.all_cpu)
+                    / statistics.median(samples[floor].all_cpu)
+                ),
                 round_trips=round_trips.get(name),
             )
         )
@@ -141,7 +150,7 @@ def write_table(report: Report, stream: TextIO) -> None:
         print(f"Uncontended acquire + release (floor: {report.floor})", file=stream)
         header = (
             f"{'case':32} {'median us':>10} {'p90 us':>9} {'x floor':>8} "
-            f"{'x twin':>7} {'trips':>6}  twin"
+            f"{'x twin':>7} {'cpu us':>7} {'cpu x fl':>8} {'trips':>6}  twin"
         )
         print(header, file=stream)
         print("-" * len(header), file=stream)
@@ -149,6 +158,7 @@ def write_table(report: Report, stream: TextIO) -> None:
             print(
                 f"{row.name:32} {row.median_us:10.1f} {row.p90_us:9.1f} "
                 f"{_ratio(row.ratio_to_floor):>8} {_ratio(row.ratio_to_twin):>7} "
+                f"{row.cpu_median_us:7.1f} {_ratio(row.cpu_ratio_to_floor):>8} "
                 f"{_trips(row.round_trips):>6}  {row.twin or ''}",
                 file=stream,
             )
