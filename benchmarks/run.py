@@ -21,7 +21,9 @@ from benchmarks.handoff import handoff_variants, run_handoffs
 from benchmarks.measure import Case, interleave
 from benchmarks.postgres import URL_VARIABLE, database_url, server_version
 from benchmarks.report import (
+    HandoffResult,
     Report,
+    UncontendedResult,
     handoff_results,
     uncontended_results,
     write_json,
@@ -42,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"... {message}", file=sys.stderr, flush=True)
 
     with ExitStack() as stack:
-        uncontended: list = []
-        handoff: list = []
+        uncontended: list[UncontendedResult] = []
+        handoff: list[HandoffResult] = []
         cases = _select_cases(uncontended_cases(url, stack), arguments.only)
         if cases:
             progress(f"counting round trips for {len(cases)} cases")
