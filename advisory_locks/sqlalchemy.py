@@ -240,18 +240,26 @@ class ConnectionLease:
                     "AUTOCOMMIT mode, where every statement is its own transaction"
                 )
             self.executor: Executor = executor_for(dbapi, fairy.driver_connection)
-        elif connection.in_transaction() or transaction:
+        elif transaction:
             if not connection.in_transaction():
                 # Like any statement on a Connection, a transaction lock autobegins.
                 connection.begin()
             self.executor = executor_for(dbapi, fairy.driver_connection)
         else:
-            # A session lock on an idle connection must not open a transaction that
-            # SQLAlchemy does not know about; run it as autocommit instead.
+            # A session lock must not open a transaction that SQLAlchemy does not know
+            # about, on an idle connection or at a release after the caller's transaction
+            # ended; it runs as autocommit whenever no transaction is open.
             self.executor = _AutocommitExecutor(connection, fairy)
         self.connection = connection
         self.in_transaction = connection.in_transaction()
         self.locks = connection_locks(fairy.info, backend)
+        if self.locks.pending_release and not self.in_transaction:
+            # A failed transaction postponed these unlocks and has ended since. Finish
+            # them first: taking one of these names again would otherwise stack on the
+            # server, and the later unlock would leave it held.
+            for holding in self.locks.pending_release:
+                backend.release(self.executor, holding.key, shared=holding.shared)
+            self.locks.pending_release.clear()
 
     def done(self) -> None:
         pass
@@ -466,6 +474,10 @@ def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionP
             locks.transaction_ended()
             if locks.session_holdings():
                 _release_session_locks(locks, dbapi_connection, record.driver_connection)
+                # Unless it is in autocommit, the driver opened a transaction for the
+                # unlocks. Rolling it back keeps them (session unlocks ignore rollback)
+                # and gives the pool an idle connection, not one with a stale snapshot.
+                dbapi_connection.rollback()
         if info.pop(AUTOCOMMIT_INFO_KEY, False):
             _set_autocommit(dbapi_connection, False)
     except Exception as error:

@@ -1,0 +1,123 @@
+"""Small helpers the lock specification tests share: what the server holds, and waiting for it.
+
+Other test sessions may use the same database at the same time, so tests look only at the
+keys they took (every test uses fresh names from :func:`unique_name`) or at the backends of
+their own engine, never at "every advisory lock on the server".
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg.rows import TupleRow
+from sqlalchemy import Engine, event
+
+from advisory_locks.keys import LockName, derive_key
+from tests.databases import AdvisoryLockRow, advisory_locks_held
+
+__all__ = [
+    "AdvisoryLockRow",
+    "advisory_locks_held",
+    "advisory_statements",
+    "backend_alive",
+    "engine_backends_with_advisory_locks",
+    "holder_pids",
+    "lock_rows",
+    "record_statements",
+    "unique_name",
+    "wait_for",
+    "waiter_pids",
+]
+
+WAIT_SECONDS = 10.0
+
+
+def unique_name(label: str = "lock") -> str:
+    """A lock name no other test (or concurrent test run) uses."""
+    return f"advisory-locks-test:{label}:{uuid.uuid4()}"
+
+
+def lock_rows(
+    admin: psycopg.Connection[TupleRow], name: LockName, **key_options: Any
+) -> list[AdvisoryLockRow]:
+    """pg_locks rows, granted or awaited, for the key this library derives from ``name``."""
+    classid, objid, objsubid = derive_key(name, **key_options).pg_locks_ids()
+    return [
+        row
+        for row in advisory_locks_held(admin)
+        if (row.classid, row.objid, row.objsubid) == (classid, objid, objsubid)
+    ]
+
+
+def holder_pids(admin: psycopg.Connection[TupleRow], name: LockName) -> list[int]:
+    """Backends holding ``name`` (one entry per backend; session locks that stack show once)."""
+    return [row.pid for row in lock_rows(admin, name) if row.granted]
+
+
+def waiter_pids(admin: psycopg.Connection[TupleRow], name: LockName) -> list[int]:
+    """Backends the server has queued for ``name``."""
+    return [row.pid for row in lock_rows(admin, name) if not row.granted]
+
+
+def backend_alive(admin: psycopg.Connection[TupleRow], pid: int) -> bool:
+    row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
+    assert row is not None
+    return bool(row[0])
+
+
+def engine_backends_with_advisory_locks(
+    admin: psycopg.Connection[TupleRow], application_name: str
+) -> list[tuple[int, int, int, int, str, bool]]:
+    """Advisory pg_locks rows of every live backend whose application_name is given."""
+    rows = admin.execute(
+        """
+        SELECT l.pid, l.classid::int8, l.objid::int8, l.objsubid::int4, l.mode, l.granted
+        FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+        WHERE l.locktype = 'advisory' AND a.application_name = %s
+        """,
+        [application_name],
+    ).fetchall()
+    return [tuple(row) for row in rows]
+
+
+def wait_for(condition: Callable[[], bool], what: str, *, timeout: float = WAIT_SECONDS) -> None:
+    """Poll an observable condition (usually pg_locks) until it holds; fail after ``timeout``.
+
+    Used to learn that another thread or process reached a server-side state (waiting for a
+    lock, backend gone), which no Python-side event can tell us.
+    """
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting until {what}")
+        time.sleep(0.01)
+
+
+def record_statements(engine: Engine) -> list[str]:
+    """Record every statement sent through the engine's psycopg cursors, ORM or not.
+
+    Must be called before the engine makes its first connection. The library runs its
+    SQL on the driver connection, below SQLAlchemy's execution events, so the recording
+    happens in a psycopg cursor class.
+    """
+    statements: list[str] = []
+
+    class RecordingCursor(psycopg.Cursor[Any]):
+        def execute(self, query: Any, params: Any = None, **options: Any) -> Any:
+            statements.append(query if isinstance(query, str) else repr(query))
+            return super().execute(query, params, **options)
+
+    @event.listens_for(engine, "connect")
+    def _record(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.cursor_factory = RecordingCursor
+
+    return statements
+
+
+def advisory_statements(statements: list[str]) -> list[str]:
+    """The statements among ``statements`` that touch advisory locks."""
+    return [statement for statement in statements if "advisory" in statement]
