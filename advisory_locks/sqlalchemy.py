@@ -395,8 +395,17 @@ class SessionSite:
         lease = self.session.info.get(SESSION_INFO_KEY)
         if lease is not None and not lease.returned:
             names += lease.locks.names()
-        if self.session.in_transaction():
-            names += ConnectionSite(self.session.connection()).held_names()
+        bind = self.session.get_bind()
+        # A Session bound to a Connection takes its session locks on that connection.
+        connections = {bind} if isinstance(bind, Connection) else set()
+        transaction = self.session.get_transaction()
+        if transaction is not None:
+            # Only connections the transaction already has can hold its locks. Asking
+            # for one would connect, which an AsyncSession cannot do from sync code.
+            # (SessionTransaction.connections is the public name from SQLAlchemy 2.1.7.)
+            connections.update(entry[0] for entry in transaction._connections.values())
+        for connection in connections:
+            names += ConnectionSite(connection).held_names()
         return names
 
 

@@ -14,7 +14,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from advisory_locks import AdvisoryLock, AsyncAdvisoryLock
+from advisory_locks import AdvisoryLock, AsyncAdvisoryLock, current_advisory_locks
 from advisory_locks.keys import LockName, derive_key
 from advisory_locks.sqlalchemy import (
     AdvisoryLockSession,
@@ -131,6 +131,15 @@ def test_session_joined_to_an_external_transaction_locks_on_that_connection(
     session.close()
     assert [(row.pid, row.granted) for row in inside] == [(pid, True)]
     assert rows_for(pg_admin, name) == []
+
+
+def test_current_advisory_locks_of_a_joined_session_names_its_lock_before_any_statement(
+    outer_connection: Connection, name: str
+) -> None:
+    session = AdvisoryLockSession(bind=outer_connection, join_transaction_mode="create_savepoint")
+    with session.advisory_lock(name):
+        assert current_advisory_locks(session) == [name]
+    session.close()
 
 
 def test_session_lock_on_a_joined_session_survives_its_commit_and_rollback(
