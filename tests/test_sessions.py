@@ -691,6 +691,22 @@ def test_lock_lost_to_a_terminated_backend_is_no_longer_listed(
         assert not lock.held
 
 
+def test_session_takes_locks_again_after_its_lock_connection_was_terminated(
+    pg_engine: Engine, pg_admin: Admin
+) -> None:
+    name = unique_name()
+    with Session(pg_engine) as session:
+        lock = advisory_lock(session, name)
+        lock.acquire()
+        (pid,) = holder_pids(pg_admin, name)
+        pg_admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+        wait_for(lambda: not backend_alive(pg_admin, pid), "the backend has exited")
+        with contextlib.suppress(LockLost):
+            lock.release()
+        with advisory_lock(session, name, timeout=0):
+            assert holder_pids(pg_admin, name) not in ([], [pid])
+
+
 # -- (e) deadlocks -------------------------------------------------------------------------
 
 
