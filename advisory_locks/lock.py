@@ -188,7 +188,10 @@ class AdvisoryLock:
             )
 
     def _give_back(self, lease: Lease, error: BaseException) -> None:
-        if isinstance(error, Exception) and self._site.backend.is_connection_failure(error):
+        # An interrupted wait (task cancelled, KeyboardInterrupt) leaves the server's
+        # answer unknown: asyncpg, for one, stops listening while the server may still
+        # grant the lock. Only discarding the connection ensures no one inherits it.
+        if not isinstance(error, Exception) or self._site.backend.is_connection_failure(error):
             lease.broken(error)
         else:
             lease.done()

@@ -403,3 +403,62 @@ async def test_engine_holds_no_advisory_locks_after_mixed_use_and_disposes(
     assert advisory_locks_of_application(pg_admin, application_name) == []
     await async_engine.dispose()
     assert advisory_locks_of_application(pg_admin, application_name) == []
+
+
+# -- a waiting acquire that is cancelled -----------------------------------------------------
+
+
+async def until_not_held(admin: psycopg.Connection[TupleRow], name: LockName) -> None:
+    """Return once no backend holds or awaits the lock (a closed backend may linger)."""
+    deadline = time.monotonic() + WAIT_SECONDS
+    while rows_for(admin, name):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name!r} is still held: {rows_for(admin, name)}")
+        await asyncio.sleep(0.005)
+
+
+async def cancel_while_waiting(
+    admin: psycopg.Connection[TupleRow], lock: AsyncAdvisoryLock, holder_pid: int
+) -> None:
+    waiter = asyncio.create_task(lock.acquire())
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not [row for row in rows_for(admin, lock.name) if row.pid != holder_pid]:
+        if time.monotonic() > deadline:
+            raise AssertionError("the waiter never reached the server")
+        await asyncio.sleep(0.005)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+
+
+async def test_cancelled_wait_on_an_engine_leaves_no_pooled_connection_holding_the_lock(
+    async_engine: AsyncEngine,
+    holder: AsyncConnection,
+    pg_admin: psycopg.Connection[TupleRow],
+    name: str,
+) -> None:
+    # asyncio.timeout()/wait_for() cancel the task; the server may still grant the
+    # lock to the connection after the client stopped listening for the answer.
+    async with advisory_lock(holder, name):
+        await cancel_while_waiting(
+            pg_admin, advisory_lock(async_engine, name), await backend_pid(holder)
+        )
+    await until_not_held(pg_admin, name)
+    async with advisory_lock(async_engine, name, timeout=0):
+        assert len(rows_for(pg_admin, name)) == 1
+
+
+async def test_cancelled_wait_on_an_async_connection_leaves_it_holding_nothing(
+    async_engine: AsyncEngine,
+    holder: AsyncConnection,
+    pg_admin: psycopg.Connection[TupleRow],
+    name: str,
+) -> None:
+    async with async_engine.connect() as connection:
+        async with advisory_lock(holder, name):
+            lock = advisory_lock(connection, name)
+            await cancel_while_waiting(pg_admin, lock, await backend_pid(holder))
+        await until_not_held(pg_admin, name)
+        assert not lock.held
+        # Its state on the server was unknown, so it was discarded, not reused.
+        assert connection.invalidated
