@@ -13,7 +13,13 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
-from advisory_locks.backends.base import Backend, Executor, Timeout, validate_timeout
+from advisory_locks.backends.base import (
+    Backend,
+    Executor,
+    Timeout,
+    validate_flags,
+    validate_timeout,
+)
 from advisory_locks.errors import AdvisoryLockError, LockLost, LockNotAcquired, LockTimeout
 from advisory_locks.keys import LockKey, LockName
 from advisory_locks.registry import ConnectionLocks, Holding
@@ -74,6 +80,7 @@ class AdvisoryLock:
         shared: bool = False,
         transaction: bool = False,
     ) -> None:
+        validate_flags(shared=shared, transaction=transaction)
         self.timeout = validate_timeout(timeout)
         site.backend.check_options(shared=shared, transaction=transaction, timeout=self.timeout)
         self._site = site

@@ -27,7 +27,7 @@ from sqlalchemy.sql.expression import SavepointClause
 from sqlalchemy.util import greenlet_spawn
 
 from advisory_locks.backends import Backend, backend_for_dialect
-from advisory_locks.backends.base import Executor, Timeout
+from advisory_locks.backends.base import Executor, Timeout, validate_flags
 from advisory_locks.errors import UnsupportedFeature
 from advisory_locks.executors import executor_for
 from advisory_locks.keys import LockName, derive_key
@@ -94,6 +94,7 @@ def advisory_lock(
 ) -> AdvisoryLock | AsyncAdvisoryLock:
     """A named lock held by the database behind ``bind``; see the module docstring."""
     key = derive_key(name, scheme=key_scheme, prefix=key_prefix)
+    validate_flags(shared=shared, transaction=transaction)
     sync_bind = _sync_bind(bind)
     site = _site_for(sync_bind, transaction=transaction)
     lock = AdvisoryLock(site, key, timeout=timeout, shared=shared, transaction=transaction)
@@ -385,15 +386,24 @@ class SessionSite:
         bind = self.session.get_bind()
         if isinstance(bind, Connection):
             return ConnectionLease(bind, self.backend, transaction=False)
-        lease = self.session.info.get(SESSION_INFO_KEY)
-        if not isinstance(lease, PooledLease) or lease.returned:
-            lease = self.session.info[SESSION_INFO_KEY] = PooledLease(bind, self.backend)
+        lease = self._pooled_lease()
+        if lease is None:
+            lease = PooledLease(bind, self.backend)
+            # Only the locks keep the lease alive: once every lock object using it is
+            # gone, its connection is collected and the pool guard unlocks what they
+            # left, even while this Session lives on.
+            self.session.info[SESSION_INFO_KEY] = weakref.ref(lease)
         return lease
+
+    def _pooled_lease(self) -> PooledLease | None:
+        reference = self.session.info.get(SESSION_INFO_KEY)
+        lease = reference() if isinstance(reference, weakref.ref) else None
+        return lease if isinstance(lease, PooledLease) and not lease.returned else None
 
     def held_names(self) -> list[LockName]:
         names: list[LockName] = []
-        lease = self.session.info.get(SESSION_INFO_KEY)
-        if lease is not None and not lease.returned:
+        lease = self._pooled_lease()
+        if lease is not None:
             names += lease.locks.names()
         bind = self.session.get_bind()
         # A Session bound to a Connection takes its session locks on that connection.

@@ -452,6 +452,25 @@ def test_session_lock_garbage_collected_with_its_session_is_released_at_checkin(
     assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
 
 
+def test_session_lock_dropped_while_its_session_lives_on_is_released(
+    make_engine: Callable[..., Engine], pg_admin: Admin
+) -> None:
+    # A long-lived Session (scoped_session) must not keep a forgotten lock: only lock
+    # objects keep the Session's lock connection checked out.
+    engine = make_engine(pool_size=2, max_overflow=0)
+    name = unique_name()
+    with Session(engine) as session:
+        lock = advisory_lock(session, name)
+        lock.acquire()
+        del lock
+        gc.collect()
+        assert lock_rows(pg_admin, name) == []
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        with advisory_lock(session, name, timeout=0):
+            assert len(holder_pids(pg_admin, name)) == 1
+        assert lock_rows(pg_admin, name) == []
+
+
 def test_connection_cleaned_by_the_checkin_guard_goes_back_idle(
     make_engine: Callable[..., Engine], pg_admin: Admin
 ) -> None:

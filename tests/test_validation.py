@@ -150,6 +150,17 @@ def test_bad_key_option_is_rejected_before_any_sql(
     untouched.assert_no_sql_was_sent()
 
 
+@pytest.mark.parametrize("option", ["shared", "transaction"])
+@pytest.mark.parametrize("value", ["no", 1, None], ids=repr)
+def test_mode_flag_that_is_not_a_bool_is_rejected_before_any_sql(
+    option: str, value: object, make_bind: Callable[[], SyncBind], untouched: UntouchedEngine
+) -> None:
+    # "no" is truthy: accepting it would quietly take a shared or transaction lock.
+    with pytest.raises(TypeError, match=option):
+        advisory_lock(make_bind(), "a good name", **{option: value})  # type: ignore[arg-type]
+    untouched.assert_no_sql_was_sent()
+
+
 def test_creating_a_lock_sends_no_sql_until_it_is_acquired(
     make_bind: Callable[[], SyncBind], untouched: UntouchedEngine
 ) -> None:

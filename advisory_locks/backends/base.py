@@ -78,6 +78,13 @@ class Backend(Protocol):
         """Whether ``error`` means the caller's transaction failed and awaits rollback."""
 
 
+def validate_flags(*, shared: object, transaction: object) -> None:
+    """``shared`` and ``transaction`` must be real bools: ``"no"`` is truthy."""
+    for option, value in (("shared", shared), ("transaction", transaction)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{option} must be True or False, not {type(value).__name__}")
+
+
 def validate_timeout(timeout: object) -> Timeout:
     """None, or finite seconds >= 0; raise TypeError/ValueError otherwise."""
     if timeout is None:
