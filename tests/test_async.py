@@ -29,8 +29,10 @@ from sqlalchemy.ext.asyncio import (
 
 from advisory_locks import (
     AsyncAdvisoryLock,
+    LockDeadlock,
     LockLost,
     LockTimeout,
+    UnsupportedFeature,
     advisory_lock,
     current_advisory_locks,
 )
@@ -163,6 +165,37 @@ async def test_advisory_lock_on_an_async_bind_is_an_async_advisory_lock(
             assert isinstance(advisory_lock(bind, name), AsyncAdvisoryLock)
 
 
+async def test_exception_in_the_block_releases_the_lock(
+    async_engine: AsyncEngine, pg_admin: psycopg.Connection[TupleRow], name: str
+) -> None:
+    async with AsyncSession(async_engine) as session:
+        with pytest.raises(LookupError):
+            async with advisory_lock(session, name):
+                raise LookupError("the block failed")
+        assert rows_for(pg_admin, name) == []
+
+
+async def test_shared_locks_on_two_async_binds_admit_each_other(
+    async_engine: AsyncEngine, pg_admin: psycopg.Connection[TupleRow], name: str
+) -> None:
+    async with (
+        async_engine.connect() as connection,
+        advisory_lock(connection, name, shared=True),
+        advisory_lock(async_engine, name, shared=True, timeout=0),
+    ):
+        modes = [(row.mode, row.granted) for row in rows_for(pg_admin, name)]
+    assert modes == [("ShareLock", True), ("ShareLock", True)]
+
+
+async def test_transaction_lock_on_an_autocommit_async_connection_is_refused(
+    async_engine: AsyncEngine, name: str
+) -> None:
+    async with async_engine.connect() as connection:
+        autocommit = await connection.execution_options(isolation_level="AUTOCOMMIT")
+        with pytest.raises(UnsupportedFeature):
+            await advisory_lock(autocommit, name, transaction=True).acquire()
+
+
 # -- busy locks: timeout 0, timeout t, and a waiter that wakes -------------------------------
 
 
@@ -212,6 +245,37 @@ async def test_blocked_waiter_is_granted_the_lock_when_the_holder_releases_it(
         await held.release()
         rows_while_waiter_held = await asyncio.wait_for(waiter, WAIT_SECONDS)
     assert [(row.pid, row.granted) for row in rows_while_waiter_held] == [(waiter_pid, True)]
+
+
+async def test_deadlock_between_two_async_connections_raises_lock_deadlock_in_one(
+    async_engine: AsyncEngine, name: str
+) -> None:
+    async def hold_then_want(
+        connection: AsyncConnection,
+        held: str,
+        wanted: str,
+        mine: asyncio.Event,
+        theirs: asyncio.Event,
+    ) -> bool:
+        async with advisory_lock(connection, held):
+            mine.set()
+            await theirs.wait()
+            lock = advisory_lock(connection, wanted)
+            granted = await lock.acquire()
+            await lock.release()
+            return granted
+
+    first_holds, second_holds = asyncio.Event(), asyncio.Event()
+    async with async_engine.connect() as first, async_engine.connect() as second:
+        outcomes = await asyncio.gather(
+            hold_then_want(first, name + "-a", name + "-b", first_holds, second_holds),
+            hold_then_want(second, name + "-b", name + "-a", second_holds, first_holds),
+            return_exceptions=True,
+        )
+    # The server picks one victim; leaving its block freed what it held for the other.
+    victims = [outcome for outcome in outcomes if isinstance(outcome, LockDeadlock)]
+    assert len(victims) == 1
+    assert [outcome for outcome in outcomes if outcome is not victims[0]] == [True]
 
 
 # -- session locks and transactions ----------------------------------------------------------
