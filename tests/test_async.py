@@ -348,6 +348,18 @@ async def test_transaction_lock_taken_as_the_first_statement_belongs_to_that_tra
         assert not lock.held
 
 
+async def test_transaction_lock_as_the_first_statement_on_an_async_connection_is_inside_it(
+    async_engine: AsyncEngine, pg_admin: psycopg.Connection[TupleRow], name: str
+) -> None:
+    async with async_engine.connect() as connection:
+        assert await advisory_lock(connection, name, transaction=True, timeout=5).acquire()
+        after_acquire = rows_for(pg_admin, name)
+        pid = await backend_pid(connection)
+        await connection.rollback()
+        assert [(row.pid, row.granted) for row in after_acquire] == [(pid, True)]
+        assert rows_for(pg_admin, name) == []
+
+
 async def test_timed_out_acquire_inside_an_async_session_transaction_leaves_it_usable(
     async_engine: AsyncEngine, holder: AsyncConnection, name: str
 ) -> None:
