@@ -7,16 +7,19 @@ their own engine, never at "every advisory lock on the server".
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 from psycopg.rows import TupleRow
 from sqlalchemy import Engine, event
+from sqlalchemy.orm import Session
 
 from advisory_locks.keys import LockName, derive_key
+from advisory_locks.sqlalchemy import SyncBind
 from tests.databases import AdvisoryLockRow, advisory_locks_held
 
 __all__ = [
@@ -121,3 +124,16 @@ def record_statements(engine: Engine) -> list[str]:
 def advisory_statements(statements: list[str]) -> list[str]:
     """The statements among ``statements`` that touch advisory locks."""
     return [statement for statement in statements if "advisory" in statement]
+
+
+@contextlib.contextmanager
+def open_bind(kind: str, engine: Engine) -> Iterator[SyncBind]:
+    """A bind of the named kind ("engine", "connection", "session"), closed afterwards."""
+    if kind == "engine":
+        yield engine
+    elif kind == "connection":
+        with engine.connect() as connection:
+            yield connection
+    else:
+        with Session(engine) as session:
+            yield session

@@ -6,7 +6,6 @@ admin connection, and every competitor is a separate server connection.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import threading
 import time
@@ -33,6 +32,7 @@ from tests.helpers import (
     advisory_statements,
     holder_pids,
     lock_rows,
+    open_bind,
     record_statements,
     unique_name,
     wait_for,
@@ -40,18 +40,6 @@ from tests.helpers import (
 )
 
 JOIN_SECONDS = 15.0
-
-
-@contextlib.contextmanager
-def open_bind(kind: str, engine: Engine) -> Iterator[SyncBind]:
-    if kind == "engine":
-        yield engine
-    elif kind == "connection":
-        with engine.connect() as connection:
-            yield connection
-    else:
-        with Session(engine) as session:
-            yield session
 
 
 @pytest.fixture(params=["engine", "connection", "session"])

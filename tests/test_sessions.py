@@ -33,7 +33,6 @@ from advisory_locks import (
     advisory_lock,
     current_advisory_locks,
 )
-from advisory_locks.sqlalchemy import SyncBind
 from tests.helpers import (
     advisory_locks_held,
     advisory_statements,
@@ -41,6 +40,7 @@ from tests.helpers import (
     engine_backends_with_advisory_locks,
     holder_pids,
     lock_rows,
+    open_bind,
     record_statements,
     unique_name,
     wait_for,
@@ -72,18 +72,6 @@ def engine_backends(admin: Admin, application_name: str) -> set[int]:
 
 def driver_transaction_status(connection: Connection) -> TransactionStatus:
     return connection.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr,no-any-return]
-
-
-@contextlib.contextmanager
-def open_bind(kind: str, engine: Engine) -> Iterator[SyncBind]:
-    if kind == "engine":
-        yield engine
-    elif kind == "connection":
-        with engine.connect() as connection:
-            yield connection
-    else:
-        with Session(engine) as session:
-            yield session
 
 
 @pytest.fixture
