@@ -19,16 +19,25 @@ from advisory_locks.errors import (
     UnsupportedFeature,
 )
 from advisory_locks.keys import LockName, lock_key
-from advisory_locks.lock import AdvisoryLock, AsyncAdvisoryLock
+from advisory_locks.lock import (
+    AdvisoryLock,
+    AdvisoryLockSet,
+    AsyncAdvisoryLock,
+    AsyncAdvisoryLockSet,
+)
 
 if importlib.util.find_spec("sqlalchemy") is not None:
     # Imported eagerly: the binding registers its transaction and pool listeners, which
     # must exist before the application makes its first connection.
-    from advisory_locks.sqlalchemy import advisory_lock, current_advisory_locks
+    from advisory_locks.sqlalchemy import (
+        advisory_lock,
+        advisory_lock_set,
+        current_advisory_locks,
+    )
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("advisory_lock", "current_advisory_locks"):
+    if name in ("advisory_lock", "advisory_lock_set", "current_advisory_locks"):
         raise UnsupportedDatabase(
             f"advisory_locks.{name} needs SQLAlchemy: pip install 'advisory-locks[sqlalchemy]'"
         )
@@ -38,7 +47,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AdvisoryLock",
     "AdvisoryLockError",
+    "AdvisoryLockSet",
     "AsyncAdvisoryLock",
+    "AsyncAdvisoryLockSet",
     "LockDeadlock",
     "LockLost",
     "LockName",
@@ -47,6 +58,7 @@ __all__ = [
     "UnsupportedDatabase",
     "UnsupportedFeature",
     "advisory_lock",
+    "advisory_lock_set",
     "current_advisory_locks",
     "lock_key",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["AsyncpgExecutor", "DBAPIExecutor", "executor_for"]
+__all__ = ["AsyncpgExecutor", "DBAPIExecutor", "executor_for", "protocol_session_id"]
 
 
 class DBAPIExecutor:
@@ -83,6 +83,19 @@ class AsyncpgExecutor:
         # open, so open it the way the adapter's cursor would.
         if not self._adapter.autocommit and self._adapter._transaction is None:
             self._await(self._adapter._start_transaction())
+
+
+def protocol_session_id(driver_connection: Any) -> int | None:
+    """The server process id the driver was told at connect (None if it does not say).
+
+    A pooler or proxy answers the connect itself and makes one up, so it differs from
+    what the server reports for the session the statements really run in.
+    """
+    info = getattr(driver_connection, "info", None)
+    pid = getattr(info, "backend_pid", None)  # psycopg 3, psycopg2 >= 2.8
+    if pid is None and hasattr(driver_connection, "get_server_pid"):  # asyncpg
+        pid = driver_connection.get_server_pid()
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
 def executor_for(dbapi_connection: Any, driver_connection: Any) -> DBAPIExecutor | AsyncpgExecutor:

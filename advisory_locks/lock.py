@@ -9,7 +9,8 @@ so sync and async locks cannot drift apart.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -24,7 +25,14 @@ from advisory_locks.errors import AdvisoryLockError, LockLost, LockNotAcquired, 
 from advisory_locks.keys import LockKey, LockName
 from advisory_locks.registry import ConnectionLocks, Holding
 
-__all__ = ["AdvisoryLock", "AsyncAdvisoryLock", "Lease", "LockSite"]
+__all__ = [
+    "AdvisoryLock",
+    "AdvisoryLockSet",
+    "AsyncAdvisoryLock",
+    "AsyncAdvisoryLockSet",
+    "Lease",
+    "LockSite",
+]
 
 logger = logging.getLogger("advisory_locks")
 
@@ -164,6 +172,44 @@ class AdvisoryLock:
             )
         self._unlock(holding, lease)
 
+    def ensure_held(self) -> None:
+        """Ask the server whether it still holds this lock; raise LockLost if not.
+
+        One round trip on the lock's own connection, so call it at safe points of the
+        block (before an irreversible step), never from another thread.
+        """
+        holding, lease = self._holding, self._lease
+        if not self._count or holding is None or lease is None:
+            raise AdvisoryLockError(f"advisory lock {self.name!r} is not held by this object")
+        if not holding.active:
+            reason = (
+                "its transaction ended"
+                if holding.transaction
+                else "its connection was returned to the pool or closed"
+            )
+            raise LockLost(
+                f"advisory lock {self.name!r} is no longer held: {reason}", name=self.name
+            )
+        backend = self._site.backend
+        try:
+            held = backend.is_held(lease.executor, self.key_info, shared=self.shared)
+        except Exception as error:
+            if not backend.is_connection_failure(error):
+                raise
+            lease.locks.forget(holding)
+            lease.broken(error)
+            raise LockLost(
+                f"advisory lock {self.name!r} was lost: its connection failed ({error})",
+                name=self.name,
+            ) from error
+        if not held:
+            # Someone unlocked it on our connection (pg_advisory_unlock_all(), DISCARD ALL):
+            # the block must not go on believing it is protected.
+            lease.locks.forget(holding)
+            raise LockLost(
+                f"the server no longer holds advisory lock {self.name!r}", name=self.name
+            )
+
     def _unlock(self, holding: Holding, lease: Lease) -> None:
         backend = self._site.backend
         try:
@@ -214,7 +260,11 @@ class AdvisoryLock:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.release()
+        try:
+            self.release()
+        except LockLost:
+            if not _reported_inside(exc, self):
+                raise
 
     def __repr__(self) -> str:
         state = "held" if self.held else "not held"
@@ -251,6 +301,10 @@ class AsyncAdvisoryLock:
         """Give the lock back (a transaction lock stays with its transaction)."""
         await self._run(self._lock.release)
 
+    async def ensure_held(self) -> None:
+        """Ask the server whether it still holds this lock; raise LockLost if not."""
+        await self._run(self._lock.ensure_held)
+
     async def __aenter__(self) -> AsyncAdvisoryLock:
         if not await self.acquire():
             raise _not_acquired(self._lock)
@@ -262,16 +316,175 @@ class AsyncAdvisoryLock:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        await self.release()
+        try:
+            await self.release()
+        except LockLost:
+            if not _reported_inside(exc, self._lock):
+                raise
 
     def __repr__(self) -> str:
         return "<Async" + repr(self._lock)[1:]
 
 
-def _not_acquired(lock: AdvisoryLock) -> LockNotAcquired:
-    if lock.timeout:
+class AdvisoryLockSet:
+    """Several locks taken in one canonical order (by key) and given back together.
+
+    Two holders that take overlapping sets through this class queue behind each other
+    instead of deadlocking, whatever order their names were listed in: both ask for the
+    lowest key first. A ``timeout`` bounds the whole acquisition, not each lock.
+    """
+
+    __slots__ = ("_refused", "_taken", "locks", "timeout")
+
+    def __init__(self, locks: Iterable[AdvisoryLock], *, timeout: Timeout = None) -> None:
+        self.timeout = validate_timeout(timeout)
+        unique: dict[tuple[int, tuple[int, ...]], AdvisoryLock] = {}
+        for lock in locks:
+            ints = lock.key_info.ints
+            unique.setdefault((len(ints), ints), lock)
+        self.locks: tuple[AdvisoryLock, ...] = tuple(unique[order] for order in sorted(unique))
+        self._taken: list[AdvisoryLock] = []
+        self._refused: AdvisoryLock | None = None
+
+    @property
+    def names(self) -> list[LockName]:
+        """The names in the order they are taken."""
+        return [lock.name for lock in self.locks]
+
+    @property
+    def held(self) -> bool:
+        return bool(self._taken) and all(lock.held for lock in self._taken)
+
+    def acquire(self) -> bool:
+        """Take every lock in key order; False (holding none) when one stayed busy."""
+        if self._taken:
+            raise AdvisoryLockError("this lock set is already held; release it first")
+        deadline = None if not self.timeout else time.monotonic() + self.timeout
+        taken: list[AdvisoryLock] = []
+        try:
+            for lock in self.locks:
+                if deadline is not None:
+                    # Zero left means "try once", which is still an answer, not a hang.
+                    lock.timeout = max(0.0, deadline - time.monotonic())
+                if not lock.acquire():
+                    self._refused = lock
+                    _release_all(taken)
+                    return False
+                taken.append(lock)
+        except BaseException:
+            _release_all(taken, quietly=True)
+            raise
+        self._taken = taken
+        self._refused = None
+        return bool(taken) or not self.locks
+
+    def release(self) -> None:
+        """Give every lock back, newest first; the first failure is raised after all ran."""
+        if not self._taken and self.locks:
+            raise AdvisoryLockError("this lock set is not held")
+        taken, self._taken = self._taken, []
+        _release_all(taken)
+
+    def ensure_held(self) -> None:
+        """:meth:`AdvisoryLock.ensure_held` for every lock of the set."""
+        for lock in self._taken:
+            lock.ensure_held()
+
+    def __enter__(self) -> AdvisoryLockSet:
+        if not self.acquire():
+            assert self._refused is not None
+            raise _not_acquired(self._refused, self.timeout)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            self.release()
+        except LockLost:
+            if not isinstance(exc, LockLost):
+                raise
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "not held"
+        return f"<AdvisoryLockSet {self.names!r} {state}>"
+
+
+class AsyncAdvisoryLockSet:
+    """The awaitable twin of :class:`AdvisoryLockSet`."""
+
+    __slots__ = ("_run", "_set")
+
+    def __init__(self, lock_set: AdvisoryLockSet, run: Callable[..., Awaitable[Any]]) -> None:
+        self._set = lock_set
+        self._run = run
+
+    @property
+    def names(self) -> list[LockName]:
+        return self._set.names
+
+    @property
+    def held(self) -> bool:
+        return self._set.held
+
+    async def acquire(self) -> bool:
+        granted: bool = await self._run(self._set.acquire)
+        return granted
+
+    async def release(self) -> None:
+        await self._run(self._set.release)
+
+    async def ensure_held(self) -> None:
+        await self._run(self._set.ensure_held)
+
+    async def __aenter__(self) -> AsyncAdvisoryLockSet:
+        if not await self.acquire():
+            assert self._set._refused is not None
+            raise _not_acquired(self._set._refused, self._set.timeout)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            await self.release()
+        except LockLost:
+            if not isinstance(exc, LockLost):
+                raise
+
+    def __repr__(self) -> str:
+        return "<Async" + repr(self._set)[1:]
+
+
+def _release_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> None:
+    first_error: BaseException | None = None
+    for lock in reversed(locks):
+        try:
+            lock.release()
+        except Exception as error:
+            logger.debug("releasing %r from a lock set failed: %s", lock.name, error)
+            first_error = first_error or error
+    if first_error is not None and not quietly:
+        raise first_error
+
+
+def _reported_inside(exc: BaseException | None, lock: AdvisoryLock) -> bool:
+    # ensure_held() inside the block already raised this loss; a second LockLost from
+    # the release would only bury the first one under "during handling ...".
+    return isinstance(exc, LockLost) and exc.name == lock.name
+
+
+def _not_acquired(lock: AdvisoryLock, timeout: Timeout = None) -> LockNotAcquired:
+    timeout = lock.timeout if timeout is None else timeout
+    if timeout:
         return LockTimeout(
-            f"advisory lock {lock.name!r} was not granted within {lock.timeout} s",
+            f"advisory lock {lock.name!r} was not granted within {timeout} s",
             name=lock.name,
         )
     return LockNotAcquired(f"advisory lock {lock.name!r} is held elsewhere", name=lock.name)

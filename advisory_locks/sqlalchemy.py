@@ -16,6 +16,7 @@ session lock on it is unlocked before anyone else can check it out, or discarded
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, overload
 
 from sqlalchemy import event
@@ -29,9 +30,16 @@ from sqlalchemy.util import greenlet_spawn
 from advisory_locks.backends import Backend, backend_for_dialect
 from advisory_locks.backends.base import Executor, Timeout, validate_flags
 from advisory_locks.errors import UnsupportedFeature
-from advisory_locks.executors import executor_for
+from advisory_locks.executors import executor_for, protocol_session_id
 from advisory_locks.keys import LockName, derive_key
-from advisory_locks.lock import AdvisoryLock, AsyncAdvisoryLock, Lease, LockSite
+from advisory_locks.lock import (
+    AdvisoryLock,
+    AdvisoryLockSet,
+    AsyncAdvisoryLock,
+    AsyncAdvisoryLockSet,
+    Lease,
+    LockSite,
+)
 from advisory_locks.registry import ConnectionLocks
 
 if TYPE_CHECKING:
@@ -45,6 +53,7 @@ __all__ = [
     "AsyncBind",
     "SyncBind",
     "advisory_lock",
+    "advisory_lock_set",
     "current_advisory_locks",
 ]
 
@@ -54,6 +63,12 @@ AsyncBind: TypeAlias = AsyncSession | AsyncConnection | AsyncEngine
 LOCKS_INFO_KEY: Final = "advisory_locks.locks"
 AUTOCOMMIT_INFO_KEY: Final = "advisory_locks.restore_autocommit"
 SESSION_INFO_KEY: Final = "advisory_locks.session_connection"
+BEHIND_PROXY_INFO_KEY: Final = "advisory_locks.behind_proxy"
+# Execution option declaring what sits between the engine and the server:
+# "transaction" (session locks refused), "session" (a pooler that pins each client to
+# one server connection), or "none".
+POOLER_OPTION: Final = "advisory_locks_pooler"
+POOLER_MODES: Final = ("transaction", "session", "none")
 
 
 @overload
@@ -101,6 +116,64 @@ def advisory_lock(
     if sync_bind is bind:
         return lock
     return AsyncAdvisoryLock(lock, greenlet_spawn)
+
+
+@overload
+def advisory_lock_set(
+    bind: SyncBind,
+    names: Iterable[LockName],
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AdvisoryLockSet: ...
+
+
+@overload
+def advisory_lock_set(
+    bind: AsyncBind,
+    names: Iterable[LockName],
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AsyncAdvisoryLockSet: ...
+
+
+def advisory_lock_set(
+    bind: SyncBind | AsyncBind,
+    names: Iterable[LockName],
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AdvisoryLockSet | AsyncAdvisoryLockSet:
+    """Several locks taken in key order, so overlapping sets never deadlock.
+
+    ``timeout`` bounds the whole acquisition; the other options apply to every lock.
+    """
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise TypeError(f"names must be a collection of lock names, not {type(names).__name__}")
+    keys = [derive_key(name, scheme=key_scheme, prefix=key_prefix) for name in names]
+    validate_flags(shared=shared, transaction=transaction)
+    sync_bind = _sync_bind(bind)
+    site = _site_for(sync_bind, transaction=transaction)
+    lock_set = AdvisoryLockSet(
+        (
+            AdvisoryLock(site, key, timeout=timeout, shared=shared, transaction=transaction)
+            for key in keys
+        ),
+        timeout=timeout,
+    )
+    if sync_bind is bind:
+        return lock_set
+    return AsyncAdvisoryLockSet(lock_set, greenlet_spawn)
 
 
 def current_advisory_locks(bind: SyncBind | AsyncBind) -> list[LockName]:
@@ -252,6 +325,13 @@ class ConnectionLease:
             # ended; it runs as autocommit whenever no transaction is open.
             self.executor = _AutocommitExecutor(connection, fairy)
         self.connection = connection
+        check_server(
+            fairy,
+            self.executor,
+            backend,
+            pooler=connection.get_execution_options().get(POOLER_OPTION),
+            session_lock=not transaction,
+        )
         self.in_transaction = connection.in_transaction()
         self.locks = connection_locks(fairy.info, backend)
         if self.locks.pending_release and not self.in_transaction:
@@ -320,6 +400,17 @@ class PooledLease:
             _set_autocommit(dbapi, True)
             self.fairy.info[AUTOCOMMIT_INFO_KEY] = True
         self.executor: Executor = executor_for(dbapi, self.fairy.driver_connection)
+        try:
+            check_server(
+                self.fairy,
+                self.executor,
+                backend,
+                pooler=engine.get_execution_options().get(POOLER_OPTION),
+                session_lock=True,
+            )
+        except BaseException:
+            self.fairy.close()
+            raise
         self.locks = connection_locks(self.fairy.info, backend)
         self.in_transaction = False
         _engine_leases(engine).add(self)
@@ -417,6 +508,48 @@ class SessionSite:
         for connection in connections:
             names += ConnectionSite(connection).held_names()
         return names
+
+
+def check_server(
+    fairy: PoolProxiedConnection,
+    executor: Executor,
+    backend: Backend,
+    *,
+    pooler: object,
+    session_lock: bool,
+) -> None:
+    """Refuse servers that only imitate advisory locks, and session locks through a
+    transaction pooler; the server is asked once per physical connection."""
+    if pooler is not None and pooler not in POOLER_MODES:
+        raise ValueError(f"{POOLER_OPTION} must be one of {POOLER_MODES}, not {pooler!r}")
+    if session_lock and pooler == "transaction":
+        raise UnsupportedFeature(
+            "session advisory locks are refused: the engine declares "
+            f"{POOLER_OPTION}='transaction'. {_TRANSACTION_POOLING}"
+        )
+    info: Mapping[Any, Any] = fairy.info
+    behind_proxy = info.get(BEHIND_PROXY_INFO_KEY)
+    if behind_proxy is None:
+        server_id = backend.inspect_server(executor)
+        client_id = protocol_session_id(fairy.driver_connection)
+        behind_proxy = fairy.info[BEHIND_PROXY_INFO_KEY] = (
+            client_id is not None and client_id != server_id
+        )
+    if session_lock and behind_proxy and pooler is None:
+        raise UnsupportedFeature(
+            "session advisory locks are refused on this connection: it reaches the server "
+            "through a pooler or proxy (the server process id the driver was told at "
+            f"connect is not the one its statements run in). {_TRANSACTION_POOLING} If the "
+            "pooler pins each client to one server connection (pool_mode=session), declare "
+            f"it: create_engine(..., execution_options={{'{POOLER_OPTION}': 'session'}})."
+        )
+
+
+_TRANSACTION_POOLING: Final = (
+    "A transaction pooler (PgBouncer pool_mode=transaction) may run each transaction on "
+    "another server connection, leaving a session lock behind on one that other clients "
+    "then use: take the lock with transaction=True inside a transaction instead."
+)
 
 
 def _autocommit(dbapi_connection: DBAPIConnection | None) -> bool:

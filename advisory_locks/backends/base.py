@@ -68,6 +68,21 @@ class Backend(Protocol):
     def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
         """Give back a session lock; False when the server says it did not hold it."""
 
+    def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+        """Whether the server holds ``key`` in this mode for the executor's session.
+
+        One round trip; a session or transaction lock of that mode both count.
+        """
+
+    def inspect_server(self, executor: Executor) -> int:
+        """Check, once per physical connection, that the server really has these locks.
+
+        Raise :class:`UnsupportedDatabase` for servers that only imitate them; warn where
+        they cannot coordinate with other servers. Return the server's id for this
+        session (PostgreSQL: ``pg_backend_pid()``), which a binding compares with the id
+        the driver was told at connect to notice a pooler or proxy in between.
+        """
+
     def list_locks(self, executor: Executor) -> list[LockedRow]:
         """Every advisory lock held or awaited in the connection's database."""
 

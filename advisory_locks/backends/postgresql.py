@@ -7,10 +7,16 @@ versions) and sent as integer literals or parameters; lock names never reach the
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Final
 
 from advisory_locks.backends.base import Executor, LockedRow, Timeout
-from advisory_locks.errors import AdvisoryLockError, LockDeadlock, LockTimeout
+from advisory_locks.errors import (
+    AdvisoryLockError,
+    LockDeadlock,
+    LockTimeout,
+    UnsupportedDatabase,
+)
 from advisory_locks.keys import LockKey
 
 __all__ = ["PostgresBackend"]
@@ -43,6 +49,25 @@ WHERE l.locktype = 'advisory'
   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
 ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST, l.pid
 """
+
+# pg_locks cannot tell a session lock from a transaction lock of the same key and mode;
+# either one means the lock is still ours. Keys are compared as the oid columns hold them.
+IS_HELD_SQL: Final = """
+SELECT EXISTS (
+  SELECT 1 FROM pg_catalog.pg_locks
+  WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted
+    AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+    AND classid::int8 = %s AND objid::int8 = %s AND objsubid::int4 = %s AND mode = '{mode}'
+)
+"""
+
+# version() comes first: servers that speak the PostgreSQL protocol but stub advisory
+# locks (CockroachDB answers pg_advisory_lock() without locking anything) say who they are.
+INSPECT_SERVER_SQL: Final = (
+    "SELECT pg_catalog.version(), pg_catalog.pg_backend_pid(), pg_catalog.pg_is_in_recovery()"
+)
+# Only products known to stub the functions: refusing a working server would be worse.
+IMITATIONS: Final = ("CockroachDB",)
 
 
 class PostgresBackend:
@@ -100,6 +125,30 @@ class PostgresBackend:
     def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
         function = "advisory_unlock_shared" if shared else "advisory_unlock"
         return bool(executor.fetch_value(f"SELECT pg_{function}({_placeholders(key)})", key.ints))
+
+    def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+        # The mode is one of two constants, never caller text.
+        sql = IS_HELD_SQL.format(mode="ShareLock" if shared else "ExclusiveLock")
+        return bool(executor.fetch_value(sql, key.pg_locks_ids()))
+
+    def inspect_server(self, executor: Executor) -> int:
+        version, pid, in_recovery = executor.fetch_rows(INSPECT_SERVER_SQL)[0]
+        for product in IMITATIONS:
+            if product.lower() in str(version).lower():
+                raise UnsupportedDatabase(
+                    f"{product} speaks PostgreSQL's protocol but does not implement "
+                    f"advisory locks (its pg_advisory_lock() excludes nothing): {version}"
+                )
+        if in_recovery:
+            warnings.warn(
+                "advisory locks taken on a hot standby exclude only other clients of that "
+                "standby, never the primary or other replicas; take them on the primary",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        if not isinstance(pid, int):
+            raise UnsupportedDatabase(f"pg_backend_pid() returned {pid!r}, not a process id")
+        return pid
 
     def list_locks(self, executor: Executor) -> list[LockedRow]:
         rows = []
