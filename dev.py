@@ -4,6 +4,7 @@
     python3 dev.py test [pytest args...]   install .[test], run pytest
     python3 dev.py lint                    install .[dev], run ruff and mypy
     python3 dev.py demo [args...]          install .[demo], run the demo
+    python3 dev.py docs [args...]          install .[docs], build the docs strictly into site/
 
 The virtualenv lives in .venv. Each set of extras is reinstalled when pyproject.toml is
 newer than the stamp file its last install left behind; an existing .venv is never
@@ -70,7 +71,14 @@ def demo(demo_args: list[str]) -> int:
     return run(PYTHON, ROOT / "examples" / "contention_demo.py", *demo_args)
 
 
-COMMANDS = {"test": test, "lint": lint, "demo": demo}
+def docs(mkdocs_args: list[str]) -> int:
+    ensure_installed("docs")
+    # Material prints a banner about MkDocs 2 on every build; it is not about this site.
+    os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")
+    return run(PYTHON, "-m", "mkdocs", "build", "--strict", "--site-dir", "site", *mkdocs_args)
+
+
+COMMANDS = {"test": test, "lint": lint, "demo": demo, "docs": docs}
 
 
 def main() -> int:

@@ -1,0 +1,329 @@
+"""Every ```python block in docs/**/*.md and README.md runs against the real PostgreSQL.
+
+The convention the examples are written to (docs/development.md explains it to authors):
+
+- Each block is a script, run on its own in a fresh interpreter (``python example.py``),
+  so it must import what it uses. It finds the database in ``$DATABASE_URL``, a
+  SQLAlchemy URL; the runner points it at the test server with ``search_path`` set to a
+  schema made for that block alone, so ``create_all()`` / ``CREATE TABLE`` never collide
+  with other blocks or concurrent test runs, and the schema is dropped afterwards.
+- ``$ADVISORY_LOCKS_PREFIX`` is set to a value unique to the block, so the lock names an
+  example takes ("nightly-report") do not meet another run's. An example that shows an
+  exact key passes ``prefix=`` itself.
+- A block titled like a file (```` ```python title="shop/models.py" ````) is also written
+  to that path next to every script of its page, so later blocks can import it. A title
+  of ``settings.py`` is a Django settings fragment, applied over the runner's base
+  settings (which supply ``DATABASES`` from ``$DATABASE_URL``).
+- A block that imports ``django`` or ``advisory_locks_django``, or is a ``settings.py``,
+  runs with Django set up (``django.setup()`` and ``migrate --run-syncdb``) first.
+- The only way out is a visible marker on the line(s) right before the fence:
+  ``<!-- example: not-run (why) -->``. Such blocks must still compile.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import URL
+
+from tests.databases import psycopg_connect
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_TIMEOUT_SECONDS = 90
+
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
+TITLE = re.compile(r"""title\s*=\s*["']([^"']+)["']""")
+NOT_RUN = re.compile(r"<!--\s*example:\s*not-run\s*(?:\((?P<reason>[^)]*)\))?\s*-->")
+DJANGO_IMPORT = re.compile(r"^\s*(?:from|import)\s+(?:django|advisory_locks_django)\b", re.M)
+
+
+@dataclass(frozen=True)
+class Example:
+    page: Path  # relative to ROOT
+    line: int  # 1-based line of the opening fence
+    source: str
+    title: str | None
+    not_run_reason: str | None  # None: runs; "": marked without a reason (an error)
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.as_posix()}:{self.line}"
+
+    @property
+    def needs_django(self) -> bool:
+        return self.title == "settings.py" or bool(DJANGO_IMPORT.search(self.source))
+
+    @property
+    def module(self) -> str | None:
+        """The importable module a file-titled block becomes (None for scripts)."""
+        if self.title is None or not self.title.endswith(".py") or self.title == "settings.py":
+            return None
+        return self.title.removesuffix(".py").replace("/", ".")
+
+
+def pages() -> list[Path]:
+    return [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
+
+
+def examples_in(page: Path) -> list[Example]:
+    lines = page.read_text(encoding="utf-8").splitlines()
+    found: list[Example] = []
+    index = 0
+    while index < len(lines):
+        opening = FENCE.match(lines[index])
+        if opening is None:
+            index += 1
+            continue
+        indent, fence, info = opening["indent"], opening["fence"], opening["info"]
+        end = index + 1
+        while end < len(lines) and not (
+            lines[end].strip().startswith(fence) and lines[end].strip().strip(fence[0]) == ""
+        ):
+            end += 1
+        language = info.strip().lstrip("{").strip().lstrip(".").split(" ")[0].split("{")[0]
+        if language in ("python", "py"):
+            body = [
+                line[len(indent) :] if line.startswith(indent) else line
+                for line in lines[index + 1 : end]
+            ]
+            title = TITLE.search(info)
+            found.append(
+                Example(
+                    page=page.relative_to(ROOT) if page.is_relative_to(ROOT) else page,
+                    line=index + 1,
+                    source=textwrap.dedent("\n".join(body)) + "\n",
+                    title=title.group(1) if title else None,
+                    not_run_reason=_marker_before(lines, index),
+                )
+            )
+        index = end + 1
+    return found
+
+
+def _marker_before(lines: list[str], fence_index: int) -> str | None:
+    """The not-run reason written on the lines just above a fence, if any."""
+    previous = fence_index - 1
+    while previous >= 0 and not lines[previous].strip():
+        previous -= 1
+    if previous < 0:
+        return None
+    marker = NOT_RUN.search(lines[previous])
+    if marker is None:
+        return None
+    return (marker["reason"] or "").strip()
+
+
+ALL_EXAMPLES = [example for page in pages() for example in examples_in(page)]
+RUNNABLE = [example for example in ALL_EXAMPLES if example.not_run_reason is None]
+NOT_RUN_EXAMPLES = [example for example in ALL_EXAMPLES if example.not_run_reason is not None]
+
+
+def django_app_ready() -> str | None:
+    """Why Django examples cannot run here, or None when they can."""
+    if importlib.util.find_spec("django") is None:
+        return "Django is not installed (pip install -e '.[django]')"
+    if importlib.util.find_spec("advisory_locks_django") is None:
+        return "advisory_locks_django is not importable"
+    module = importlib.import_module("advisory_locks_django")
+    missing = [
+        name
+        for name in ("advisory_lock", "AdvisoryLockManager", "AdvisoryLockQuerySet")
+        if not hasattr(module, name)
+    ]
+    if missing:
+        return f"advisory_locks_django does not provide {', '.join(missing)} yet"
+    return None
+
+
+# --- running one example ------------------------------------------------------------------
+
+BASE_SETTINGS = '''\
+"""Base settings for the docs' Django examples; the page's settings.py block follows."""
+import os
+
+from sqlalchemy.engine import make_url
+
+_url = make_url(os.environ["DATABASE_URL"])
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": _url.database,
+        "USER": _url.username or "",
+        "PASSWORD": _url.password or "",
+        "HOST": _url.host or "",
+        "PORT": str(_url.port or ""),
+        "OPTIONS": {"options": _url.query["options"]},
+    }
+}
+INSTALLED_APPS = ["advisory_locks_django"]
+SECRET_KEY = "docs-examples"
+USE_TZ = True
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+'''
+
+DJANGO_PRELUDE = """\
+import django
+from django.core.management import call_command
+
+django.setup()
+call_command("migrate", run_syncdb=True, verbosity=0)
+"""
+
+
+@pytest.fixture
+def example_schema(postgres_url: URL) -> Iterator[str]:
+    """A schema of its own for one example, dropped with everything in it afterwards."""
+    schema = f"docs_example_{uuid.uuid4().hex[:12]}"
+    with psycopg_connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f'CREATE SCHEMA "{schema}"')
+        try:
+            yield schema
+        finally:
+            admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+def write_project(example: Example, directory: Path) -> None:
+    """Lay out the page's file-titled blocks and this example's script in ``directory``."""
+    settings = [BASE_SETTINGS]
+    for block in examples_in(ROOT / example.page):
+        if block.title == "settings.py":
+            settings.append(block.source)
+        elif block.module is not None:
+            path = directory / block.title  # type: ignore[operator]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(block.source, encoding="utf-8")
+            for package in path.relative_to(directory).parents:
+                if package != Path("."):
+                    (directory / package / "__init__.py").touch()
+    (directory / "docs_settings.py").write_text("\n".join(settings), encoding="utf-8")
+    if example.module is not None:
+        script = f"import {example.module}\n"
+    elif example.title == "settings.py":
+        script = "from django.core.management import call_command\ncall_command('check')\n"
+    else:
+        script = example.source
+    if example.needs_django:
+        script = DJANGO_PRELUDE + script
+    (directory / "example.py").write_text(script, encoding="utf-8")
+
+
+def run_example(example: Example, directory: Path, database_url: str) -> None:
+    write_project(example, directory)
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("ADVISORY_LOCKS_", "DJANGO_")) and name != "DATABASE_URL"
+    }
+    environment.update(
+        DATABASE_URL=database_url,
+        ADVISORY_LOCKS_PREFIX=f"docs-{uuid.uuid4().hex[:8]}:",
+        DJANGO_SETTINGS_MODULE="docs_settings",
+        PYTHONPATH=os.pathsep.join([str(directory), str(ROOT)]),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    result = subprocess.run(
+        [sys.executable, "example.py"],
+        cwd=directory,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=EXAMPLE_TIMEOUT_SECONDS,
+        check=False,
+    )
+    if result.returncode != 0:
+        numbered = "\n".join(
+            f"{example.line + number:5d}  {text}"
+            for number, text in enumerate(example.source.splitlines(), start=1)
+        )
+        pytest.fail(
+            f"the example at {example.id} exited with status {result.returncode}\n"
+            f"{numbered}\n--- stdout\n{result.stdout}--- stderr\n{result.stderr}",
+            pytrace=False,
+        )
+
+
+# --- the tests ----------------------------------------------------------------------------
+
+
+def test_the_docs_have_examples_to_run() -> None:
+    # Guards the extractor itself: a change that found no blocks would pass vacuously.
+    assert len(RUNNABLE) >= 15
+    assert any(example.page == Path("README.md") for example in RUNNABLE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", RUNNABLE, ids=[example.id for example in RUNNABLE])
+def test_example_runs(
+    example: Example, example_schema: str, postgres_url: URL, tmp_path: Path
+) -> None:
+    if example.needs_django and (reason := django_app_ready()) is not None:
+        pytest.skip(f"Django example not run: {reason}")
+    url = postgres_url.update_query_dict({"options": f"-csearch_path={example_schema}"})
+    run_example(example, tmp_path, url.render_as_string(hide_password=False))
+
+
+def test_examples_marked_not_run_say_why_and_compile() -> None:
+    # Not parametrized: with no such block (the usual case) there is nothing to skip.
+    for example in NOT_RUN_EXAMPLES:
+        assert example.not_run_reason, (
+            f"{example.id}: write the reason: <!-- example: not-run (why) -->"
+        )
+        compile(example.source, example.id, "exec")
+
+
+def test_the_extractor_reads_titles_indentation_and_markers(tmp_path: Path) -> None:
+    page = tmp_path / "probe.md"
+    page.write_text(
+        "text\n\n"
+        '```python title="shop/models.py"\nA = 1\n```\n\n'
+        "<!-- example: not-run (needs a second machine) -->\n"
+        "```python\nB = 2\n```\n\n"
+        "!!! note\n    ```py\n    if True:\n        C = 3\n    ```\n"
+        "```console\n$ not python\n```\n",
+        encoding="utf-8",
+    )
+    found = examples_in(page)
+    assert [(e.title, e.not_run_reason, e.source) for e in found] == [
+        ("shop/models.py", None, "A = 1\n"),
+        (None, "needs a second machine", "B = 2\n"),
+        (None, None, "if True:\n    C = 3\n"),
+    ]
+    assert found[0].module == "shop.models"
+
+
+def test_a_failing_example_fails_its_test(
+    example_schema: str, postgres_url: URL, tmp_path: Path
+) -> None:
+    broken = Example(Path("README.md"), 1, "raise SystemExit(3)\n", None, None)
+    url = postgres_url.update_query_dict({"options": f"-csearch_path={example_schema}"})
+    with pytest.raises(pytest.fail.Exception, match="exited with status 3"):
+        run_example(broken, tmp_path, url.render_as_string(hide_password=False))
+
+
+def test_examples_see_their_own_schema_first(
+    example_schema: str, postgres_url: URL, tmp_path: Path
+) -> None:
+    probe = Example(
+        Path("README.md"),
+        1,
+        "import os, sqlalchemy as sa\n"
+        "engine = sa.create_engine(os.environ['DATABASE_URL'])\n"
+        "with engine.connect() as c:\n"
+        "    print(c.scalar(sa.text('SELECT current_schema()')))\n"
+        f"    assert c.scalar(sa.text('SELECT current_schema()')) == {example_schema!r}\n",
+        None,
+        None,
+    )
+    url = postgres_url.update_query_dict({"options": f"-csearch_path={example_schema}"})
+    run_example(probe, tmp_path, url.render_as_string(hide_password=False))
