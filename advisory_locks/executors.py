@@ -8,20 +8,32 @@ path. Most drivers follow DB-API closely enough for one executor; asyncpg does n
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["AsyncpgExecutor", "DBAPIExecutor", "executor_for", "protocol_session_id"]
+__all__ = [
+    "AsyncpgExecutor",
+    "DBAPIExecutor",
+    "driver_autocommit",
+    "executor_for",
+    "protocol_session_id",
+    "set_driver_autocommit",
+]
+
+# Key in a pooled connection's info dict (it lives and dies with the DB-API connection).
+STATE_INFO_KEY: Final = "advisory_locks.backend_state"
 
 
 class DBAPIExecutor:
-    """Executor for DB-API drivers with the ``%s`` paramstyle (psycopg 3, psycopg2)."""
+    """Executor for DB-API drivers with the ``%s`` paramstyle (psycopg 3, psycopg2, PyMySQL,
+    mysqlclient), and for sqlite3, whose backend runs no parameterised SQL."""
 
-    __slots__ = ("connection",)
+    __slots__ = ("connection", "state")
 
-    def __init__(self, connection: Any) -> None:
+    def __init__(self, connection: Any, state: dict[str, Any] | None = None) -> None:
         self.connection = connection
+        self.state: dict[str, Any] = {} if state is None else state
 
-    def fetch_value(self, sql: str, params: Sequence[int]) -> object:
+    def fetch_value(self, sql: str, params: Sequence[object]) -> object:
         cursor = self.connection.cursor()
         try:
             cursor.execute(sql, tuple(params))
@@ -55,14 +67,25 @@ class AsyncpgExecutor:
     scripts, so statements go to the asyncpg connection itself.
     """
 
-    __slots__ = ("_adapter", "_await", "_driver")
+    __slots__ = ("_adapter", "_await", "_driver", "state")
 
-    def __init__(self, adapter: Any, driver: Any, await_: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        adapter: Any,
+        driver: Any,
+        await_: Callable[[Any], Any],
+        state: dict[str, Any] | None = None,
+    ) -> None:
         self._adapter = adapter
         self._driver = driver
         self._await = await_
+        self.state: dict[str, Any] = {} if state is None else state
 
-    def fetch_value(self, sql: str, params: Sequence[int]) -> object:
+    @property
+    def connection(self) -> Any:
+        return self._adapter
+
+    def fetch_value(self, sql: str, params: Sequence[object]) -> object:
         self._join_adapter_transaction()
         numbered = sql
         for position in range(1, len(params) + 1):
@@ -98,10 +121,48 @@ def protocol_session_id(driver_connection: Any) -> int | None:
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
-def executor_for(dbapi_connection: Any, driver_connection: Any) -> DBAPIExecutor | AsyncpgExecutor:
-    """Pick the executor for a DB-API connection (or SQLAlchemy async adapter)."""
+def executor_for(
+    dbapi_connection: Any, driver_connection: Any, info: dict[Any, Any] | None = None
+) -> DBAPIExecutor | AsyncpgExecutor:
+    """Pick the executor for a DB-API connection (or SQLAlchemy async adapter).
+
+    ``info`` is a dict that lives exactly as long as the DB-API connection (a pool
+    entry's ``info``); backends that hold locks client-side keep them in it, so they go
+    when the connection goes.
+    """
+    state = None if info is None else info.setdefault(STATE_INFO_KEY, {})
     if type(driver_connection).__module__.startswith("asyncpg"):
         from sqlalchemy.util import await_only
 
-        return AsyncpgExecutor(dbapi_connection, driver_connection, await_only)
-    return DBAPIExecutor(dbapi_connection)
+        return AsyncpgExecutor(dbapi_connection, driver_connection, await_only, state)
+    return DBAPIExecutor(dbapi_connection, state)
+
+
+def driver_autocommit(dbapi_connection: Any) -> bool:
+    """Whether the driver runs each statement in its own transaction right now."""
+    if dbapi_connection is None:
+        return False
+    if _is_sqlite3(dbapi_connection):
+        # Legacy transaction control (every Python version's default): None means
+        # the module never sends BEGIN. (Python 3.12's `autocommit` attribute is -1 then,
+        # which is truthy, so it must not be read as a bool.)
+        return dbapi_connection.isolation_level is None
+    get_autocommit = getattr(dbapi_connection, "get_autocommit", None)
+    if callable(get_autocommit):  # PyMySQL, mysqlclient: autocommit is a method there
+        return bool(get_autocommit())
+    return bool(getattr(dbapi_connection, "autocommit", False))
+
+
+def set_driver_autocommit(dbapi_connection: Any, value: bool) -> None:
+    """Switch the driver's autocommit mode, whichever way this driver spells it."""
+    if _is_sqlite3(dbapi_connection):
+        # "" is the module's default: BEGIN (deferred) before data-changing statements.
+        dbapi_connection.isolation_level = None if value else ""
+    elif callable(getattr(dbapi_connection, "get_autocommit", None)):
+        dbapi_connection.autocommit(value)
+    else:
+        dbapi_connection.autocommit = value
+
+
+def _is_sqlite3(dbapi_connection: Any) -> bool:
+    return type(dbapi_connection).__module__ in ("sqlite3", "_sqlite3")

@@ -60,6 +60,9 @@ class LockKey:
 
     name: LockName
     ints: tuple[int] | tuple[int, int]
+    # The namespace text a string name was hashed with ("" for none, and for int and pair
+    # names); backends that lock by name rather than by integer key (MySQL) need it too.
+    prefix: str = ""
 
     @property
     def value(self) -> int | tuple[int, int]:
@@ -111,10 +114,11 @@ def derive_key(
     scheme = _resolve_scheme(scheme)
     prefix = os.environ.get(PREFIX_ENV) if prefix is None else prefix
     if scheme == "rails":
-        return LockKey(name, _rails_key(name, prefix))
-    digest = hashlib.sha256(_utf8((_text_prefix(prefix)) + name)).digest()
+        return LockKey(name, _rails_key(name, prefix), _text_prefix(prefix))
+    text_prefix = _text_prefix(prefix)
+    digest = hashlib.sha256(_utf8(text_prefix + name)).digest()
     order: Literal["big", "little"] = "little" if scheme == "pglock" else "big"
-    return LockKey(name, (int.from_bytes(digest[:8], order, signed=True),))
+    return LockKey(name, (int.from_bytes(digest[:8], order, signed=True),), text_prefix)
 
 
 def _validate_pair(name: tuple[object, ...]) -> tuple[int, int]:

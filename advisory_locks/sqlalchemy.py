@@ -30,7 +30,12 @@ from sqlalchemy.util import greenlet_spawn
 from advisory_locks.backends import Backend, backend_for_dialect
 from advisory_locks.backends.base import Executor, Timeout, validate_flags
 from advisory_locks.errors import UnsupportedFeature
-from advisory_locks.executors import executor_for, protocol_session_id
+from advisory_locks.executors import (
+    driver_autocommit,
+    executor_for,
+    protocol_session_id,
+    set_driver_autocommit,
+)
 from advisory_locks.keys import LockName, derive_key
 from advisory_locks.lock import (
     AdvisoryLock,
@@ -313,12 +318,12 @@ class ConnectionLease:
                     "transaction=True needs a transaction, but this connection is in "
                     "AUTOCOMMIT mode, where every statement is its own transaction"
                 )
-            self.executor: Executor = executor_for(dbapi, fairy.driver_connection)
+            self.executor: Executor = executor_for(dbapi, fairy.driver_connection, fairy.info)
         elif transaction:
             if not connection.in_transaction():
                 # Like any statement on a Connection, a transaction lock autobegins.
                 connection.begin()
-            self.executor = executor_for(dbapi, fairy.driver_connection)
+            self.executor = executor_for(dbapi, fairy.driver_connection, fairy.info)
         else:
             # A session lock must not open a transaction that SQLAlchemy does not know
             # about, on an idle connection or at a release after the caller's transaction
@@ -360,6 +365,10 @@ class _AutocommitExecutor:
         self.connection = connection
         self.fairy = fairy
 
+    @property
+    def state(self) -> dict[str, Any]:
+        return executor_for(self.fairy.dbapi_connection, None, self.fairy.info).state
+
     def fetch_value(self, sql: str, params: Any) -> object:
         return self._call("fetch_value", sql, params)
 
@@ -371,7 +380,7 @@ class _AutocommitExecutor:
 
     def _call(self, method: str, *args: Any) -> Any:
         dbapi = self.fairy.dbapi_connection
-        executor = executor_for(dbapi, self.fairy.driver_connection)
+        executor = executor_for(dbapi, self.fairy.driver_connection, self.fairy.info)
         if self.connection.in_transaction() or _autocommit(dbapi):
             return getattr(executor, method)(*args)
         _set_autocommit(dbapi, True)
@@ -399,7 +408,7 @@ class PooledLease:
         if not _autocommit(dbapi):
             _set_autocommit(dbapi, True)
             self.fairy.info[AUTOCOMMIT_INFO_KEY] = True
-        self.executor: Executor = executor_for(dbapi, self.fairy.driver_connection)
+        self.executor: Executor = executor_for(dbapi, self.fairy.driver_connection, self.fairy.info)
         try:
             check_server(
                 self.fairy,
@@ -553,11 +562,11 @@ _TRANSACTION_POOLING: Final = (
 
 
 def _autocommit(dbapi_connection: DBAPIConnection | None) -> bool:
-    return bool(getattr(dbapi_connection, "autocommit", False))
+    return driver_autocommit(dbapi_connection)
 
 
 def _set_autocommit(dbapi_connection: Any, value: bool) -> None:
-    dbapi_connection.autocommit = value
+    set_driver_autocommit(dbapi_connection, value)
 
 
 # -- events: transaction ends, savepoints, and the pool guard ------------------------------
@@ -584,7 +593,7 @@ def _transaction_began(connection: Connection) -> None:
     if locks is not None and locks.pending_release:
         fairy = connection.connection
         _release_session_locks(
-            locks, fairy.dbapi_connection, fairy.driver_connection, pending_only=True
+            locks, fairy.dbapi_connection, fairy.driver_connection, fairy.info, pending_only=True
         )
 
 
@@ -625,7 +634,9 @@ def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionP
         if isinstance(locks, ConnectionLocks):
             locks.transaction_ended()
             if locks.session_holdings():
-                _release_session_locks(locks, dbapi_connection, record.driver_connection)
+                _release_session_locks(
+                    locks, dbapi_connection, record.driver_connection, record.info
+                )
                 # Unless it is in autocommit, the driver opened a transaction for the
                 # unlocks. Rolling it back keeps them (session unlocks ignore rollback)
                 # and gives the pool an idle connection, not one with a stale snapshot.
@@ -640,6 +651,7 @@ def _release_session_locks(
     locks: ConnectionLocks,
     dbapi_connection: Any,
     driver_connection: Any,
+    info: dict[Any, Any],
     *,
     pending_only: bool = False,
 ) -> None:
@@ -647,7 +659,7 @@ def _release_session_locks(
     only those whose release waited for a failed transaction to end, or all of them."""
     if locks.backend is None:
         return
-    executor = executor_for(dbapi_connection, driver_connection)
+    executor = executor_for(dbapi_connection, driver_connection, info)
     holdings = list(locks.pending_release) if pending_only else locks.session_holdings()
     locks.pending_release.clear()
     for holding in holdings:

@@ -17,7 +17,19 @@ def backend_for_dialect(dialect_name: str) -> Backend:
         from advisory_locks.backends.postgresql import PostgresBackend
 
         return PostgresBackend()
+    if dialect_name in ("mysql", "mariadb"):
+        from advisory_locks.backends.mysql import MySQLBackend
+
+        return MySQLBackend()
+    if dialect_name == "sqlite":
+        try:
+            from advisory_locks.backends.sqlite import SQLiteBackend
+        except ModuleNotFoundError as error:
+            raise UnsupportedDatabase(
+                f"SQLite locks need {error.name}: pip install 'advisory-locks[sqlite]'"
+            ) from None
+        return SQLiteBackend()
     raise UnsupportedDatabase(
-        f"advisory-locks has no backend for the {dialect_name!r} database yet; "
-        "PostgreSQL is supported"
+        f"advisory-locks has no backend for the {dialect_name!r} database; "
+        "PostgreSQL, MySQL, MariaDB and SQLite are supported"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from advisory_locks.keys import LockKey
 
@@ -15,7 +15,15 @@ Timeout: TypeAlias = float | None
 class Executor(Protocol):
     """Runs SQL on one DB-API connection; made by the ORM binding for its driver."""
 
-    def fetch_value(self, sql: str, params: Sequence[int]) -> object:
+    @property
+    def state(self) -> dict[str, Any]:
+        """Scratch space that lives exactly as long as the DB-API connection.
+
+        Backends that hold a lock client-side (SQLite's file locks) keep it here, so it
+        is let go when the connection is closed or discarded.
+        """
+
+    def fetch_value(self, sql: str, params: Sequence[object]) -> object:
         """Run one statement with ``%s`` placeholders and return the first column."""
 
     def run_script(self, sql: str) -> None:
@@ -30,7 +38,8 @@ class LockedRow:
     """One held or awaited advisory lock as a monitoring query reports it."""
 
     pid: int
-    key: int | tuple[int, int]
+    # The integer key(s) on PostgreSQL; the lock's name as the server has it on MySQL.
+    key: int | tuple[int, int] | str
     mode: str
     granted: bool
     waiting_seconds: float | None

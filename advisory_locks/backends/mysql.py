@@ -1,0 +1,260 @@
+"""MySQL and MariaDB named locks: every piece of MySQL SQL the library sends.
+
+``GET_LOCK(name, timeout)`` takes a session-scoped exclusive lock, waiting in the server;
+``RELEASE_LOCK(name)`` gives it back. The server knows locks by a text name of at most
+64 characters, so each lock name maps to a server-side name (:func:`server_lock_name`).
+Names are always sent as parameters.
+
+What MySQL cannot do is refused before any SQL: shared locks (there are none) and
+transaction locks (``COMMIT`` does not release a ``GET_LOCK`` lock, and releasing from
+client-side transaction events could not be exact).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from typing import Any, Final
+
+from advisory_locks.backends.base import Executor, LockedRow, Timeout
+from advisory_locks.errors import (
+    AdvisoryLockError,
+    LockDeadlock,
+    UnsupportedFeature,
+)
+from advisory_locks.keys import LockKey
+
+__all__ = ["MySQLBackend", "server_lock_name"]
+
+MAX_NAME_CHARS: Final = 64
+HASH_HEX_CHARS: Final = 32
+# Text made only of these characters reaches the server unchanged. Upper-case letters are
+# left out on purpose: MySQL compares lock names case-insensitively, so "Job" and "job"
+# would be one lock there but two on PostgreSQL. Any other text is hashed.
+READABLE: Final = re.compile(r"[a-z0-9_.:/@-]{1,64}")
+UNREADABLE_CHAR: Final = re.compile(r"[^A-Za-z0-9_.:/@-]")
+
+# GET_LOCK waits at most this long on MySQL; larger timeouts are refused up front.
+MAX_TIMEOUT_SECONDS: Final = 2**31 - 1
+
+ER_LOCK_DEADLOCK: Final = 1213  # MariaDB's answer to a user-lock deadlock
+ER_USER_LOCK_DEADLOCK: Final = 3058  # MySQL's
+ER_USER_LOCK_WRONG_NAME: Final = 3057
+# Connection gone: server gone away, lost during query, killed, shutdown, not connected.
+CONNECTION_GONE: Final = frozenset({1053, 1927, 2006, 2013, 2055, 4031})
+
+SHARED_REFUSED: Final = (
+    "MySQL and MariaDB have no shared named locks (GET_LOCK is exclusive only): take an "
+    "exclusive lock (shared=False) instead, or PostgreSQL for reader/writer locks"
+)
+TRANSACTION_REFUSED: Final = (
+    "MySQL and MariaDB have no transaction-scoped named locks: COMMIT and ROLLBACK do not "
+    "release GET_LOCK. Take a session lock (transaction=False) around the transaction "
+    "instead: `with advisory_lock(session, name): ... session.commit()`"
+)
+
+# performance_schema lists user locks on MySQL 5.7+ and on MariaDB with it switched on;
+# MariaDB's metadata_lock_info plugin lists granted ones otherwise.
+PERFORMANCE_SCHEMA_SQL: Final = """
+SELECT t.PROCESSLIST_ID, m.OBJECT_NAME, m.LOCK_STATUS = 'GRANTED', p.TIME,
+       COALESCE(p.USER, ''), p.HOST, p.COMMAND, COALESCE(p.INFO, '')
+FROM performance_schema.metadata_locks AS m
+JOIN performance_schema.threads AS t ON t.THREAD_ID = m.OWNER_THREAD_ID
+LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = t.PROCESSLIST_ID
+WHERE m.OBJECT_TYPE = 'USER LEVEL LOCK'
+ORDER BY m.OBJECT_NAME, m.LOCK_STATUS = 'GRANTED' DESC, t.PROCESSLIST_ID
+"""
+METADATA_LOCK_INFO_SQL: Final = """
+SELECT m.THREAD_ID, m.TABLE_SCHEMA, 1, p.TIME,
+       COALESCE(p.USER, ''), p.HOST, p.COMMAND, COALESCE(p.INFO, '')
+FROM information_schema.METADATA_LOCK_INFO AS m
+LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = m.THREAD_ID
+WHERE m.LOCK_TYPE = 'User lock'
+ORDER BY m.TABLE_SCHEMA, m.THREAD_ID
+"""
+LOCK_SOURCES_SQL: Final = """
+SELECT @@performance_schema,
+       (SELECT COUNT(*) FROM information_schema.PLUGINS
+        WHERE PLUGIN_NAME = 'METADATA_LOCK_INFO' AND PLUGIN_STATUS = 'ACTIVE')
+"""
+NO_LOCK_SOURCE: Final = (
+    "this server does not expose its named locks: MySQL needs performance_schema=ON (the "
+    "default); on MariaDB either start the server with performance_schema=ON or load the "
+    "metadata_lock_info plugin (INSTALL SONAME 'metadata_lock_info')"
+)
+
+
+def server_lock_name(key: LockKey) -> str:
+    """The name ``GET_LOCK`` sees for a lock name (and its prefix); at most 64 characters.
+
+    - text (prefix + name) of lower-case ASCII letters, digits and ``_.:/@-``, at most
+      64 characters: itself, so other MySQL clients can use the same lock;
+    - any other text: its first 31 characters with unusual characters replaced by ``_``,
+      ``#``, and the first 32 hex digits of SHA-256 of the UTF-8 text. A readable name
+      never contains ``#``, so the two forms cannot collide, and the hash keeps names
+      that differ only in case apart even on a server that ignores case;
+    - an integer: ``#int:<n>``; a pair: ``#pair:<a>:<b>``.
+    """
+    name = key.name
+    if isinstance(name, tuple):
+        return f"#pair:{name[0]}:{name[1]}"
+    if isinstance(name, int):
+        return f"#int:{name}"
+    text = key.prefix + name
+    if READABLE.fullmatch(text):
+        return text
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:HASH_HEX_CHARS]
+    readable = UNREADABLE_CHAR.sub("_", text[: MAX_NAME_CHARS - HASH_HEX_CHARS - 1])
+    return f"{readable}#{digest}"
+
+
+class MySQLBackend:
+    """Session-scoped exclusive locks (``GET_LOCK``) with server-side waits."""
+
+    dialect_name = "mysql"
+
+    def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
+        if shared:
+            raise UnsupportedFeature(SHARED_REFUSED)
+        if transaction:
+            raise UnsupportedFeature(TRANSACTION_REFUSED)
+        if timeout is not None and timeout > MAX_TIMEOUT_SECONDS:
+            raise ValueError(
+                f"timeout {timeout} s is longer than GET_LOCK accepts; pass timeout=None "
+                "to wait without limit"
+            )
+
+    def acquire(
+        self,
+        executor: Executor,
+        key: LockKey,
+        *,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> bool:
+        # GET_LOCK neither needs nor disturbs a transaction, and a failed wait leaves
+        # the caller's transaction usable, so in_transaction needs no care here.
+        self.check_options(shared=shared, transaction=transaction, timeout=timeout)
+        seconds = _server_timeout(executor, timeout)
+        try:
+            granted = executor.fetch_value(
+                "SELECT GET_LOCK(%s, %s)", (server_lock_name(key), seconds)
+            )
+        except Exception as error:
+            code = error_code(error)
+            if code in (ER_LOCK_DEADLOCK, ER_USER_LOCK_DEADLOCK):
+                raise LockDeadlock(
+                    f"deadlock detected while waiting for named lock {key.name!r}",
+                    name=key.name,
+                ) from error
+            raise
+        if granted is None:
+            # NULL: the wait ended in an error the server did not raise (killed query).
+            raise AdvisoryLockError(
+                f"GET_LOCK for {key.name!r} returned NULL: the wait was interrupted"
+            )
+        return bool(granted)
+
+    def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+        # 0: another session holds it; NULL: nobody does. Either way it was not ours.
+        return bool(executor.fetch_value("SELECT RELEASE_LOCK(%s)", (server_lock_name(key),)))
+
+    def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+        return bool(
+            executor.fetch_value(
+                "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()", (server_lock_name(key),)
+            )
+        )
+
+    def inspect_server(self, executor: Executor) -> int:
+        connection_id = executor.fetch_value("SELECT CONNECTION_ID()", ())
+        return int(str(connection_id))
+
+    def list_locks(self, executor: Executor) -> list[LockedRow]:
+        performance_schema, metadata_lock_info = executor.fetch_rows(LOCK_SOURCES_SQL)[0]
+        if _truthy(performance_schema):
+            sql = PERFORMANCE_SCHEMA_SQL
+        elif _truthy(metadata_lock_info):
+            sql = METADATA_LOCK_INFO_SQL
+        else:
+            raise UnsupportedFeature(NO_LOCK_SOURCE)
+        return [_locked_row(row) for row in executor.fetch_rows(sql)]
+
+    def is_connection_failure(self, error: BaseException) -> bool:
+        if error_code(error) in CONNECTION_GONE:
+            return True
+        names = {cls.__name__ for cls in type(error).__mro__}
+        return "InterfaceError" in names
+
+    def is_failed_transaction(self, error: BaseException) -> bool:
+        # MySQL has no "transaction aborted, awaiting rollback" state.
+        return False
+
+
+def error_code(error: BaseException) -> int | None:
+    """The MySQL error number of a driver error, looking through SQLAlchemy wrappers."""
+    seen: BaseException | None = error
+    for _ in range(4):
+        if seen is None:
+            return None
+        arguments = getattr(seen, "args", ())
+        if arguments and isinstance(arguments[0], int) and not isinstance(arguments[0], bool):
+            return arguments[0]
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return None
+
+
+def _server_timeout(executor: Executor, timeout: Timeout) -> float | int:
+    if timeout is None:
+        # MySQL waits without limit for a negative timeout; MariaDB (10.11) answers NULL
+        # with warning 1411 "Incorrect timeout value" instead, so it gets 68 years.
+        return MAX_TIMEOUT_SECONDS if _is_mariadb(executor) else -1
+    if timeout == 0 or _is_mariadb(executor):
+        return timeout  # MariaDB waits for fractions of a second
+    # MySQL reads the timeout as whole seconds. Round up, never down: 0.3 s becomes 1 s
+    # rather than 0, which would mean "do not wait" and fail where the caller would wait.
+    return max(1, math.ceil(timeout))
+
+
+def _is_mariadb(executor: Executor) -> bool:
+    state = executor.state
+    cached = state.get("mysql.is_mariadb")
+    if cached is None:
+        connection: Any = getattr(executor, "connection", None)
+        server_info = getattr(connection, "get_server_info", None)
+        # PyMySQL and mysqlclient know the version from the handshake; no round trip.
+        version = server_info() if callable(server_info) else None
+        if not isinstance(version, str):
+            version = str(executor.fetch_value("SELECT VERSION()", ()))
+        cached = state["mysql.is_mariadb"] = "mariadb" in version.lower()
+    return bool(cached)
+
+
+def _truthy(value: object) -> bool:
+    return value not in (None, 0, "0", "OFF", b"0") and bool(value)
+
+
+def _locked_row(row: tuple[object, ...]) -> LockedRow:
+    pid, name, granted, seconds, user, host, command, query = row
+    name_text = name.decode() if isinstance(name, bytes) else str(name)
+    return LockedRow(
+        pid=int(pid),  # type: ignore[call-overload]
+        key=name_text,
+        mode="exclusive",
+        granted=bool(granted),
+        # TIME is how long the thread has been in its current state: the wait, for a
+        # waiter; for a holder it says nothing about when the lock was granted.
+        waiting_seconds=None if granted else _seconds(seconds),
+        held_at_most_seconds=None,
+        application_name=str(user),
+        client_addr=None if host is None else str(host),
+        state=None if command is None else str(command),
+        query=str(query),
+    )
+
+
+def _seconds(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]

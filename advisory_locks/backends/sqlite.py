@@ -1,0 +1,215 @@
+"""SQLite named locks: OS file locks in a directory next to the database file.
+
+SQLite has no lock a client can name, so each lock is a whole-file lock (``flock`` on
+POSIX, ``LockFileEx`` on Windows, through portalocker) on ``<database>.advisory-locks/
+<key>.lock``. They exclude every process on this host that opens the same database file,
+shared locks admit each other, and the operating system frees them when the holding
+process dies. They are tied to the SQLite connection that took them: the open lock files
+live in that connection's pool entry and close with it.
+
+Limits, each refused with UnsupportedFeature: in-memory and temporary databases (no
+file), network filesystems (their file locks are unreliable), transaction locks (SQLite
+cannot release them at the real end of a transaction), and asking one connection for
+the same name in both modes (two file locks of one process would wait for each other).
+
+Waiting: ``timeout=None`` blocks in the operating system and wakes as soon as the file
+is unlocked. No operating system offers a file lock with a time limit, so ``timeout=t``
+polls a non-blocking attempt, at most every 10 ms, until ``t`` has passed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import IO, Final
+
+import portalocker
+
+from advisory_locks.backends.base import Executor, LockedRow, Timeout
+from advisory_locks.errors import UnsupportedDatabase, UnsupportedFeature
+from advisory_locks.keys import LockKey
+
+__all__ = ["SQLiteBackend", "lock_file_path"]
+
+LOCK_DIRECTORY_SUFFIX: Final = ".advisory-locks"
+FIRST_POLL_SECONDS: Final = 0.001
+MAX_POLL_SECONDS: Final = 0.01
+NETWORK_FILESYSTEMS: Final = frozenset(
+    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "9p", "fuse.sshfs", "ceph"}
+)
+DIRECTORY_STATE: Final = "sqlite.lock_directory"
+FILES_STATE: Final = "sqlite.lock_files"
+
+TRANSACTION_REFUSED: Final = (
+    "SQLite file locks cannot be tied to the end of a transaction: take a session lock "
+    "(transaction=False) around the transaction instead"
+)
+
+
+def lock_file_path(database: str | os.PathLike[str], key: LockKey) -> Path:
+    """The file whose OS lock stands for ``key`` on the SQLite database at ``database``."""
+    database_path = Path(database).resolve()
+    return database_path.parent / (database_path.name + LOCK_DIRECTORY_SUFFIX) / _file_name(key)
+
+
+class SQLiteBackend:
+    """Shared and exclusive file locks next to the database file."""
+
+    dialect_name = "sqlite"
+
+    def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
+        if transaction:
+            raise UnsupportedFeature(TRANSACTION_REFUSED)
+
+    def acquire(
+        self,
+        executor: Executor,
+        key: LockKey,
+        *,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> bool:
+        self.check_options(shared=shared, transaction=transaction, timeout=timeout)
+        files = _open_files(executor)
+        if (key.ints, not shared) in files:
+            held, wanted = ("shared", "exclusive") if not shared else ("exclusive", "shared")
+            raise UnsupportedFeature(
+                f"this connection holds {key.name!r} as a {held} lock; on SQLite it cannot "
+                f"also take it as {wanted} (the two file locks would wait for each other)"
+            )
+        directory = _lock_directory(executor)
+        handle = open(directory / _file_name(key), "a+b")  # noqa: SIM115 - kept open while held
+        try:
+            granted = _lock(handle, shared=shared, timeout=timeout)
+        except BaseException:
+            handle.close()
+            raise
+        if not granted:
+            handle.close()
+            return False
+        files[(key.ints, shared)] = handle
+        return True
+
+    def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+        handle = _open_files(executor).pop((key.ints, shared), None)
+        if handle is None:
+            return False
+        try:
+            portalocker.unlock(handle)
+        finally:
+            handle.close()  # closing frees the lock even if the unlock failed
+        return True
+
+    def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+        return (key.ints, shared) in _open_files(executor)
+
+    def inspect_server(self, executor: Executor) -> int:
+        # No server: the locks belong to this process.
+        return os.getpid()
+
+    def list_locks(self, executor: Executor) -> list[LockedRow]:
+        raise UnsupportedFeature(
+            "SQLite locks are operating-system file locks, not server state; see them "
+            f"with `lsof +D <database>{LOCK_DIRECTORY_SUFFIX}` (or /proc/locks on Linux)"
+        )
+
+    def is_connection_failure(self, error: BaseException) -> bool:
+        return False
+
+    def is_failed_transaction(self, error: BaseException) -> bool:
+        return False
+
+
+def _open_files(executor: Executor) -> dict[tuple[tuple[int, ...], bool], IO[bytes]]:
+    files: dict[tuple[tuple[int, ...], bool], IO[bytes]] = executor.state.setdefault(
+        FILES_STATE, {}
+    )
+    return files
+
+
+def _lock_directory(executor: Executor) -> Path:
+    directory: Path | None = executor.state.get(DIRECTORY_STATE)
+    if directory is not None:
+        return directory
+    database = _main_database_file(executor)
+    directory = lock_file_path(database, _PLACEHOLDER_KEY).parent
+    directory.mkdir(exist_ok=True)
+    filesystem = _network_filesystem(directory)
+    if filesystem is not None:
+        raise UnsupportedFeature(
+            f"{database} is on a {filesystem} network filesystem, whose file locks do not "
+            "reliably exclude other hosts; keep SQLite databases that need locks on a "
+            "local disk"
+        )
+    executor.state[DIRECTORY_STATE] = directory
+    return directory
+
+
+def _main_database_file(executor: Executor) -> str:
+    for _sequence, schema, file in executor.fetch_rows("PRAGMA database_list"):
+        if schema == "main":
+            if not file:
+                raise UnsupportedFeature(
+                    "advisory locks on SQLite are file locks next to the database file, and "
+                    "an in-memory or temporary database has none: use a database file, or "
+                    "a threading.Lock if one process is all that needs excluding"
+                )
+            return str(file)
+    raise UnsupportedDatabase("SQLite reported no main database for this connection")
+
+
+def _file_name(key: LockKey) -> str:
+    if len(key.ints) == 1:
+        return f"{key.ints[0] & 0xFFFFFFFFFFFFFFFF:016x}.lock"
+    first, second = key.ints
+    return f"{first & 0xFFFFFFFF:08x}-{second & 0xFFFFFFFF:08x}.lock"
+
+
+_PLACEHOLDER_KEY: Final = LockKey(0, (0,))
+
+
+def _lock(handle: IO[bytes], *, shared: bool, timeout: Timeout) -> bool:
+    mode = portalocker.LockFlags.SHARED if shared else portalocker.LockFlags.EXCLUSIVE
+    if timeout is None:
+        portalocker.lock(handle, mode)  # the operating system does the waiting
+        return True
+    deadline = time.monotonic() + timeout
+    pause = FIRST_POLL_SECONDS
+    while True:
+        try:
+            portalocker.lock(handle, mode | portalocker.LockFlags.NON_BLOCKING)
+        except portalocker.AlreadyLocked:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, MAX_POLL_SECONDS)
+        else:
+            return True
+
+
+def _network_filesystem(directory: Path) -> str | None:
+    """The type of network filesystem ``directory`` is on, where the OS tells (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    target = str(directory)
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount_point = fields[1].replace("\\040", " ")
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if inside and (best is None or len(mount_point) > best[0]):
+            best = (len(mount_point), fields[2])
+    if best is not None and best[1] in NETWORK_FILESYSTEMS:
+        return best[1]
+    return None
