@@ -13,6 +13,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL
 
 from tests.databases import (
+    MYSQL,
     POSTGRESQL,
     PostgresDriver,
     discover,
@@ -22,7 +23,7 @@ from tests.databases import (
 
 # A test that uses one of these fixtures, directly or through another fixture, gets the
 # marker, so `-m "not postgresql"` runs everything that needs no server.
-MARKER_FOR_FIXTURE = {"postgres_url": POSTGRESQL.name}
+MARKER_FOR_FIXTURE = {"postgres_url": POSTGRESQL.name, "mysql_url": MYSQL.name}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own hook applies `-m` to the markers
@@ -44,6 +45,12 @@ def database_containers() -> Iterator[contextlib.ExitStack]:
 def postgres_url(database_containers: contextlib.ExitStack) -> URL:
     """The PostgreSQL server under test, as a SQLAlchemy URL for psycopg 3."""
     return discover(POSTGRESQL, os.environ, database_containers).require()
+
+
+@pytest.fixture(scope="session")
+def mysql_url(database_containers: contextlib.ExitStack) -> URL:
+    """The MySQL or MariaDB server under test, as a SQLAlchemy URL for PyMySQL."""
+    return discover(MYSQL, os.environ, database_containers).require()
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,8 @@ from sqlalchemy.engine import URL, make_url
 
 CONNECT_TIMEOUT_SECONDS = 2
 REQUIRE_VARIABLE = "ADVISORY_LOCKS_REQUIRE_DATABASES"
-# What CI needs when ADVISORY_LOCKS_REQUIRE_DATABASES is unset. The MySQL issue adds "mysql".
-REQUIRED_IN_CI = frozenset({"postgresql"})
+# What CI needs when ADVISORY_LOCKS_REQUIRE_DATABASES is unset. SQLite needs no server.
+REQUIRED_IN_CI = frozenset({"postgresql", "mysql"})
 
 PostgresDriver = Literal["psycopg", "psycopg2", "asyncpg", "psycopg_async"]
 
