@@ -1,6 +1,44 @@
-"""Django integration for advisory-locks.
+"""Django integration for advisory-locks: add ``"advisory_locks_django"`` to INSTALLED_APPS.
 
-Placeholder: the Django app (settings, manager and queryset, ``atomic()`` integration,
-signals, checks and the management command) arrives with its own issue. Until then this
-package is empty and, like the core, imports nothing from Django.
+Public API: :func:`advisory_lock`, :class:`DjangoAdvisoryLock`,
+:func:`current_advisory_locks`, the managers and querysets, and the signals
+``lock_acquired``, ``lock_released`` and ``lock_failed``. See docs/django.md.
 """
+
+from advisory_locks.errors import (
+    AdvisoryLockError,
+    LockDeadlock,
+    LockLost,
+    LockNotAcquired,
+    LockTimeout,
+    UnsupportedDatabase,
+    UnsupportedFeature,
+)
+from advisory_locks_django.locks import DjangoAdvisoryLock, advisory_lock, current_advisory_locks
+from advisory_locks_django.managers import (
+    AdvisoryLockManager,
+    AdvisoryLockManagerMixin,
+    AdvisoryLockQuerySet,
+    AdvisoryLockQuerySetMixin,
+)
+from advisory_locks_django.signals import lock_acquired, lock_failed, lock_released
+
+__all__ = [
+    "AdvisoryLockError",
+    "AdvisoryLockManager",
+    "AdvisoryLockManagerMixin",
+    "AdvisoryLockQuerySet",
+    "AdvisoryLockQuerySetMixin",
+    "DjangoAdvisoryLock",
+    "LockDeadlock",
+    "LockLost",
+    "LockNotAcquired",
+    "LockTimeout",
+    "UnsupportedDatabase",
+    "UnsupportedFeature",
+    "advisory_lock",
+    "current_advisory_locks",
+    "lock_acquired",
+    "lock_failed",
+    "lock_released",
+]

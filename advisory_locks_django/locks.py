@@ -1,0 +1,435 @@
+"""``advisory_lock()`` for Django: a context manager, a decorator and an acquire/release pair.
+
+The lock itself is the core's :class:`~advisory_locks.lock.AdvisoryLock` on a
+:class:`~advisory_locks_django.binding.DjangoSite`; this module adds what Django code
+expects around it: defaults from settings, ``atomic()`` for ``transaction=True``, signals,
+names computed from a decorated function's arguments, and ``async`` support.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import string
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, Final, TypeVar, cast
+
+from asgiref.sync import sync_to_async
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import transaction as django_transaction
+
+from advisory_locks.backends.base import Timeout, validate_flags, validate_timeout
+from advisory_locks.errors import (
+    LockDeadlock,
+    LockLost,
+    LockNotAcquired,
+    LockTimeout,
+    UnsupportedFeature,
+)
+from advisory_locks.keys import LockKey, LockName, derive_key
+from advisory_locks.lock import AdvisoryLock
+from advisory_locks.registry import Holding
+from advisory_locks_django import signals
+from advisory_locks_django.binding import DjangoConnectionLocks, DjangoSite, connection_locks
+from advisory_locks_django.conf import lock_settings
+
+__all__ = ["DjangoAdvisoryLock", "NameSpec", "advisory_lock", "current_advisory_locks"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+NameSpec = LockName | Callable[..., LockName]
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<from settings>"
+
+
+DEFAULT: Final = _Default()
+
+
+def advisory_lock(
+    name: NameSpec,
+    *,
+    using: str = DEFAULT_DB_ALIAS,
+    timeout: Timeout | _Default = DEFAULT,
+    shared: bool = False,
+    transaction: bool | _Default = DEFAULT,
+    skip_if_locked: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> DjangoAdvisoryLock:
+    """A named lock held by the database ``using``; see docs/django.md.
+
+    ``timeout`` and ``transaction`` default to ``ADVISORY_LOCKS['TIMEOUT']`` and
+    ``['TRANSACTION']``; ``key_scheme`` and ``key_prefix`` to ``['KEY_SCHEME']`` and
+    ``['KEY_PREFIX']``.
+    """
+    return DjangoAdvisoryLock(
+        name,
+        using=using,
+        timeout=timeout,
+        shared=shared,
+        transaction=transaction,
+        skip_if_locked=skip_if_locked,
+        key_scheme=key_scheme,
+        key_prefix=key_prefix,
+    )
+
+
+def current_advisory_locks(using: str = DEFAULT_DB_ALIAS) -> list[LockName]:
+    """Names this thread's connection to ``using`` holds through this library."""
+    return DjangoSite(using).held_names()
+
+
+class DjangoAdvisoryLock:
+    """See :func:`advisory_lock`."""
+
+    __slots__ = (
+        "_atomics",
+        "_holdings",
+        "_lock",
+        "_name",
+        "_site",
+        "key_prefix",
+        "key_scheme",
+        "shared",
+        "skip_if_locked",
+        "timeout",
+        "transaction",
+        "using",
+    )
+
+    def __init__(
+        self,
+        name: NameSpec,
+        *,
+        using: str = DEFAULT_DB_ALIAS,
+        timeout: Timeout | _Default = DEFAULT,
+        shared: bool = False,
+        transaction: bool | _Default = DEFAULT,
+        skip_if_locked: bool = False,
+        key_scheme: str | None = None,
+        key_prefix: str | int | None = None,
+    ) -> None:
+        defaults = lock_settings()
+        if not isinstance(using, str):
+            raise TypeError(f"using must be a database alias, not {type(using).__name__}")
+        self.using = using
+        self.timeout = validate_timeout(defaults.timeout if timeout is DEFAULT else timeout)
+        self.transaction = (
+            defaults.transaction if isinstance(transaction, _Default) else transaction
+        )
+        validate_flags(shared=shared, transaction=self.transaction)
+        if not isinstance(skip_if_locked, bool):
+            raise TypeError("skip_if_locked must be True or False")
+        self.shared = shared
+        self.skip_if_locked = skip_if_locked
+        self.key_scheme = defaults.key_scheme if key_scheme is None else key_scheme
+        self.key_prefix = defaults.key_prefix if key_prefix is None else key_prefix
+        self._name = name
+        self._atomics: list[django_transaction.Atomic | None] = []
+        self._holdings: list[tuple[DjangoConnectionLocks, Holding]] = []
+        self._lock: AdvisoryLock | None = None
+        self._site = DjangoSite(using)
+        if not callable(name):
+            # Bad names and options fail here, before any SQL.
+            self._lock = self._core_lock(name)
+
+    # -- the lock -------------------------------------------------------------------------
+
+    @property
+    def name(self) -> LockName:
+        return self._core().name
+
+    @property
+    def key(self) -> int | tuple[int, int]:
+        """The key(s) the server sees."""
+        return self._core().key
+
+    @property
+    def held(self) -> bool:
+        return self._lock is not None and self._lock.held
+
+    def acquire(self) -> bool:
+        """Take the lock; False when it stayed busy for the whole timeout."""
+        lock = self._core()
+        atomic = None
+        wrapper = connections[self.using]
+        if self.transaction and not wrapper.in_atomic_block:
+            if not wrapper.get_autocommit():
+                raise UnsupportedFeature(
+                    "transaction=True needs atomic(): manual transaction management "
+                    "(set_autocommit(False)) gives Django no transaction end to tie it to"
+                )
+            atomic = django_transaction.atomic(using=self.using)
+            atomic.__enter__()
+        started = time.monotonic()
+        try:
+            locks = self._site.locks()
+            before = locks.find(lock.key_info, shared=self.shared, transaction=self.transaction)
+            granted = lock.acquire()
+        except BaseException as error:
+            if atomic is not None:
+                atomic.__exit__(type(error), error, error.__traceback__)
+            self._send_failed(lock.key_info, started, error)
+            raise
+        if not granted:
+            if atomic is not None:
+                atomic.__exit__(None, None, None)
+            self._send_failed(lock.key_info, started, None)
+            return False
+        holding = locks.find(lock.key_info, shared=self.shared, transaction=self.transaction)
+        assert holding is not None
+        self._atomics.append(atomic)
+        self._holdings.append((locks, holding))
+        if before is None:
+            self._send(signals.lock_acquired, waited=time.monotonic() - started)
+        return True
+
+    def release(self) -> None:
+        """Give the lock back; a transaction lock stays until its transaction ends."""
+        self._release(None, None, None)
+
+    def _release(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        lock = self._core()
+        if not self._holdings:
+            lock.release()  # raises the core's "not held" error
+            return
+        locks, holding = self._holdings.pop()
+        atomic = self._atomics.pop()
+        try:
+            try:
+                lock.release()
+            except LockLost:
+                locks.released(holding, "lost")
+                raise
+            if not holding.active and holding not in locks.pending_release:
+                locks.released(holding, "unlock")
+        except BaseException as error:
+            if atomic is not None:
+                atomic.__exit__(type(error), error, error.__traceback__)
+            raise
+        if atomic is not None:
+            # Commits (or, after an exception in the block, rolls back) the transaction
+            # this lock opened; its commit hook then reports the release.
+            atomic.__exit__(exc_type, exc, traceback)
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        wrapper = connections[self.using]
+        if wrapper.connection is not None and not wrapper.in_atomic_block:
+            locks = connection_locks(wrapper)
+            if locks.pending_release:
+                from advisory_locks_django.binding import DjangoExecutor, release_pending
+
+                release_pending(locks, DjangoExecutor(wrapper, wrapper.connection))
+
+    def __enter__(self) -> DjangoAdvisoryLock:
+        if self.skip_if_locked:
+            raise TypeError(
+                "skip_if_locked=True only works when decorating a function; in a with "
+                "block use `if lock.acquire():` ... `lock.release()`"
+            )
+        if not self.acquire():
+            raise self._not_acquired()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._release(exc_type, exc, traceback)
+
+    # -- async ----------------------------------------------------------------------------
+
+    async def aacquire(self) -> bool:
+        """:meth:`acquire` from async code (runs in Django's thread for sync work)."""
+        self._refuse_async_transaction()
+        granted: bool = await sync_to_async(self.acquire, thread_sensitive=True)()
+        return granted
+
+    async def arelease(self) -> None:
+        """:meth:`release` from async code."""
+        await sync_to_async(self.release, thread_sensitive=True)()
+
+    async def __aenter__(self) -> DjangoAdvisoryLock:
+        if self.skip_if_locked:
+            raise TypeError("skip_if_locked=True only works when decorating a function")
+        if not await self.aacquire():
+            raise self._not_acquired()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.arelease()
+
+    def _refuse_async_transaction(self) -> None:
+        if self.transaction:
+            raise UnsupportedFeature(
+                "transaction=True cannot be held across awaits: Django runs transactions "
+                "in sync code only. Decorate a sync function with this lock and call it "
+                "through sync_to_async()"
+            )
+
+    # -- decorator ------------------------------------------------------------------------
+
+    def __call__(self, function: F) -> F:
+        """Decorate ``function``: each call runs under its own lock.
+
+        A ``str`` name may use ``{argument}`` fields, formatted from the call's arguments
+        (``"sync-account-{account_id}"``, ``"{self.pk}"``); a callable name is called with
+        the same arguments as the function and returns the name.
+        """
+        name_for = _name_factory(self._name, function)
+        make_lock = functools.partial(
+            DjangoAdvisoryLock,
+            using=self.using,
+            timeout=self.timeout,
+            shared=self.shared,
+            transaction=self.transaction,
+            key_scheme=self.key_scheme,
+            key_prefix=self.key_prefix,
+        )
+        skip = self.skip_if_locked
+
+        if inspect.iscoroutinefunction(function):
+            self._refuse_async_transaction()
+
+            @functools.wraps(function)
+            async def run_async(*args: Any, **kwargs: Any) -> Any:
+                lock = make_lock(name_for(args, kwargs))
+                if not await lock.aacquire():
+                    if skip:
+                        return None
+                    raise lock._not_acquired()
+                try:
+                    return await function(*args, **kwargs)
+                finally:
+                    await lock.arelease()
+
+            return cast(F, run_async)
+
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            lock = make_lock(name_for(args, kwargs))
+            if not lock.acquire():
+                if skip:
+                    return None
+                raise lock._not_acquired()
+            try:
+                result = function(*args, **kwargs)
+            except BaseException as error:
+                lock._release(type(error), error, error.__traceback__)
+                raise
+            lock._release(None, None, None)
+            return result
+
+        return cast(F, run)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _core(self) -> AdvisoryLock:
+        if self._lock is None:
+            raise TypeError(
+                "this lock's name is computed from a function's arguments; use it as a decorator"
+            )
+        return self._lock
+
+    def _core_lock(self, name: LockName) -> AdvisoryLock:
+        key = derive_key(name, scheme=self.key_scheme, prefix=self.key_prefix)
+        return AdvisoryLock(
+            self._site,
+            key,
+            timeout=self.timeout,
+            shared=self.shared,
+            transaction=self.transaction,
+        )
+
+    def _not_acquired(self) -> LockNotAcquired:
+        if self.timeout:
+            return LockTimeout(
+                f"advisory lock {self.name!r} was not granted within {self.timeout} s",
+                name=self.name,
+            )
+        return LockNotAcquired(f"advisory lock {self.name!r} is held elsewhere", name=self.name)
+
+    def _send(self, signal: Any, **extra: Any) -> None:
+        signals.send(
+            signal,
+            self._core().key_info,
+            using=self.using,
+            shared=self.shared,
+            transaction=self.transaction,
+            **extra,
+        )
+
+    def _send_failed(self, key: LockKey, started: float, error: BaseException | None) -> None:
+        if error is None:
+            reason = "timeout" if self.timeout else "busy"
+        elif isinstance(error, LockDeadlock):
+            reason = "deadlock"
+        elif isinstance(error, LockTimeout):
+            reason = "timeout"
+        else:
+            reason = "error"
+        self._send(
+            signals.lock_failed, waited=time.monotonic() - started, reason=reason, error=error
+        )
+
+    def __repr__(self) -> str:
+        if self._lock is None:
+            return f"<DjangoAdvisoryLock {self._name!r} using={self.using!r}>"
+        state = "held" if self.held else "not held"
+        return f"<DjangoAdvisoryLock {self.name!r} key={self.key!r} using={self.using!r} {state}>"
+
+
+def _name_factory(
+    name: NameSpec, function: Callable[..., Any]
+) -> Callable[[tuple[Any, ...], Mapping[str, Any]], LockName]:
+    """How a decorated function's call arguments become its lock name."""
+    if callable(name):
+        compute = name
+        return lambda args, kwargs: compute(*args, **kwargs)
+    if not isinstance(name, str):
+        return lambda args, kwargs: name
+    fields = {
+        field.split(".")[0].split("[")[0]
+        for _, field, _, _ in string.Formatter().parse(name)
+        if field is not None
+    }
+    if not fields:
+        literal = name.format_map({})  # "{{" stands for a literal brace
+        return lambda args, kwargs: literal
+    signature = inspect.signature(function)
+    accepts_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    missing = sorted(fields - set(signature.parameters))
+    if "" in fields or (missing and not accepts_any):
+        raise TypeError(
+            f"lock name {name!r} uses {missing or ['{}']}, which {function.__qualname__}() "
+            "has no parameter for; write {{ and }} for literal braces"
+        )
+
+    def format_name(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> LockName:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for parameter in signature.parameters.values():
+            if parameter.kind is parameter.VAR_KEYWORD:
+                arguments.update(arguments.pop(parameter.name, {}))
+        return name.format_map(arguments)
+
+    return format_name

@@ -1,0 +1,70 @@
+"""Signals sent when the server grants, refuses or gives back a lock.
+
+Every signal is sent with ``sender`` = :class:`advisory_locks_django.DjangoAdvisoryLock`
+and these keyword arguments:
+
+``name``, ``key``
+    the lock's name and the key(s) the server sees;
+``using``
+    the database alias;
+``mode``
+    ``"exclusive"`` or ``"shared"``;
+``scope``
+    ``"session"`` or ``"transaction"``.
+
+``lock_acquired`` adds ``waited`` (seconds). ``lock_failed`` adds ``waited``, ``reason``
+(``"busy"``, ``"timeout"``, ``"deadlock"`` or ``"error"``) and ``error`` (the exception,
+or None when ``acquire()`` returned False). ``lock_released`` adds ``held`` (seconds) and
+``reason``: ``"unlock"``, ``"commit"``, ``"rollback"`` (also a savepoint rollback),
+``"connection_closed"`` or ``"lost"``.
+
+A re-entrant acquire on a connection that already holds the lock sends nothing: the
+signals follow what the server does. Receivers run through ``send_robust``: an exception
+in one is logged and can neither leak a lock nor break the transaction it fired in.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from django.dispatch import Signal
+
+from advisory_locks_django.conf import lock_settings
+
+if TYPE_CHECKING:
+    from advisory_locks.keys import LockKey
+
+__all__ = ["lock_acquired", "lock_failed", "lock_released"]
+
+logger = logging.getLogger("advisory_locks_django")
+
+lock_acquired = Signal()
+lock_released = Signal()
+lock_failed = Signal()
+
+
+def send(
+    signal: Signal, key: LockKey, *, using: str, shared: bool, transaction: bool, **extra: Any
+) -> None:
+    """Send ``signal`` about one lock, unless signals are switched off or unheard."""
+    if not signal.receivers or not lock_settings().send_signals:
+        return
+    from advisory_locks_django.locks import DjangoAdvisoryLock
+
+    responses = signal.send_robust(
+        DjangoAdvisoryLock,
+        name=key.name,
+        key=key.value,
+        using=using,
+        mode="shared" if shared else "exclusive",
+        scope="transaction" if transaction else "session",
+        **extra,
+    )
+    for receiver, response in responses:
+        if isinstance(response, Exception):
+            logger.error(
+                "advisory lock signal receiver %r raised",
+                receiver,
+                exc_info=(type(response), response, response.__traceback__),
+            )

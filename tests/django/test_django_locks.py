@@ -1,0 +1,261 @@
+"""advisory_locks_django.advisory_lock against a real PostgreSQL, through Django's connections."""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+from django.db import connection, transaction
+from psycopg.pq import TransactionStatus
+from psycopg.rows import TupleRow
+
+from advisory_locks_django import (
+    LockLost,
+    LockNotAcquired,
+    LockTimeout,
+    UnsupportedFeature,
+    advisory_lock,
+    current_advisory_locks,
+)
+from tests.django.support import holders, in_thread, run_in_thread, server_pid
+from tests.helpers import lock_rows, unique_name, wait_for
+
+pytestmark = [pytest.mark.postgresql, pytest.mark.django_db(transaction=True)]
+
+Admin = psycopg.Connection[TupleRow]
+
+
+def test_a_session_lock_excludes_other_connections_until_the_block_ends(admin: Admin) -> None:
+    name = unique_name()
+    with advisory_lock(name):
+        assert holders(admin, name) == [server_pid()]
+        assert in_thread(lambda: advisory_lock(name, timeout=0).acquire()) is False
+    assert holders(admin, name) == []
+
+
+def test_a_session_lock_in_autocommit_opens_no_transaction(admin: Admin) -> None:
+    with advisory_lock(unique_name()):
+        assert connection.connection.info.transaction_status == TransactionStatus.IDLE
+        assert connection.get_autocommit()
+
+
+def test_nested_locks_on_one_connection_are_counted_and_unlocked_once(admin: Admin) -> None:
+    name = unique_name()
+    with advisory_lock(name), advisory_lock(name):
+        pass
+    assert holders(admin, name) == []
+    # One server-side hold, so one unlock emptied it: the lock is free for others.
+    assert in_thread(lambda: advisory_lock(name, timeout=0).acquire()) is True
+
+
+def test_an_exception_in_the_block_releases_the_lock(admin: Admin) -> None:
+    name = unique_name()
+    with pytest.raises(RuntimeError), advisory_lock(name):
+        raise RuntimeError("boom")
+    assert holders(admin, name) == []
+
+
+def test_timeout_zero_raises_lock_not_acquired_when_busy(admin: Admin) -> None:
+    name = unique_name()
+    with advisory_lock(name), pytest.raises(LockNotAcquired):
+        in_thread(lambda: advisory_lock(name, timeout=0).__enter__())
+
+
+def test_a_waiter_gives_up_after_its_timeout(admin: Admin) -> None:
+    name = unique_name()
+    with advisory_lock(name), pytest.raises(LockTimeout):
+        in_thread(lambda: advisory_lock(name, timeout=0.2).__enter__())
+
+
+def test_a_waiter_is_granted_when_the_holder_releases(admin: Admin) -> None:
+    name = unique_name()
+    lock = advisory_lock(name)
+    lock.acquire()
+    waiter = run_in_thread(lambda: advisory_lock(name, timeout=30).acquire())
+    wait_for(lambda: [r for r in lock_rows(admin, name) if not r.granted] != [], "waiter queued")
+    lock.release()
+    assert waiter.get() is True
+
+
+def test_shared_locks_admit_each_other_but_not_an_exclusive_one(admin: Admin) -> None:
+    name = unique_name()
+    with advisory_lock(name, shared=True):
+        assert in_thread(lambda: advisory_lock(name, shared=True, timeout=0).acquire()) is True
+        assert in_thread(lambda: advisory_lock(name, timeout=0).acquire()) is False
+
+
+def test_bad_names_and_options_fail_before_connecting() -> None:
+    connection.close()
+    with pytest.raises(TypeError):
+        advisory_lock(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="empty"):
+        advisory_lock("")
+    with pytest.raises(ValueError, match="timeout"):
+        advisory_lock("x", timeout=-1)
+    with pytest.raises(TypeError, match="shared"):
+        advisory_lock("x", shared="yes")  # type: ignore[arg-type]
+    assert connection.connection is None
+
+
+def test_current_advisory_locks_lists_the_names_this_connection_holds() -> None:
+    name = unique_name()
+    with advisory_lock(name):
+        assert name in current_advisory_locks()
+    assert name not in current_advisory_locks()
+
+
+# -- transaction=True and atomic() ----------------------------------------------------------
+
+
+def test_a_transaction_lock_opens_atomic_when_none_is_open(admin: Admin) -> None:
+    name = unique_name()
+    with advisory_lock(name, transaction=True):
+        assert connection.in_atomic_block
+        assert holders(admin, name) == [server_pid()]
+    assert not connection.in_atomic_block
+    assert holders(admin, name) == []
+
+
+def test_a_transaction_lock_lives_until_the_outer_atomic_commits(admin: Admin) -> None:
+    name = unique_name()
+    with transaction.atomic():
+        with transaction.atomic(), advisory_lock(name, transaction=True):
+            pass
+        # Out of the lock's block and its savepoint: the transaction still holds it.
+        assert holders(admin, name) == [server_pid()]
+        assert name in current_advisory_locks()
+    assert holders(admin, name) == []
+    assert name not in current_advisory_locks()
+
+
+def test_a_transaction_lock_lives_until_the_outer_atomic_rolls_back(admin: Admin) -> None:
+    name = unique_name()
+    with transaction.atomic():
+        with advisory_lock(name, transaction=True):
+            pass
+        assert holders(admin, name) == [server_pid()]
+        transaction.set_rollback(True)
+    assert holders(admin, name) == []
+
+
+def test_a_savepoint_rollback_releases_a_transaction_lock_taken_inside_it(admin: Admin) -> None:
+    name = unique_name()
+    with transaction.atomic():
+        with transaction.atomic():
+            with advisory_lock(name, transaction=True):
+                pass
+            transaction.set_rollback(True)  # rolls back to the savepoint
+        assert holders(admin, name) == []
+        assert name not in current_advisory_locks()
+        # The registry knows it is gone, so taking it again really asks the server.
+        with advisory_lock(name, transaction=True):
+            assert holders(admin, name) == [server_pid()]
+
+
+def test_a_savepoint_rollback_keeps_a_transaction_lock_taken_before_it(admin: Admin) -> None:
+    name = unique_name()
+    with transaction.atomic(), advisory_lock(name, transaction=True):
+        with pytest.raises(ZeroDivisionError), transaction.atomic():
+            1 / 0  # noqa: B018
+        assert holders(admin, name) == [server_pid()]
+        assert name in current_advisory_locks()
+
+
+def test_a_failed_acquire_inside_atomic_leaves_the_transaction_usable(admin: Admin) -> None:
+    from tests.django_app.models import Product
+
+    name = unique_name()
+    with advisory_lock(name):
+        held_elsewhere = in_thread(
+            lambda: _try_in_atomic(name, timeout=0.2)  # waits, times out, then writes
+        )
+    assert held_elsewhere == "timed out, then committed"
+    assert Product.objects.filter(sku=name[-30:]).exists()
+
+
+def _try_in_atomic(name: str, *, timeout: float) -> str:
+    from tests.django_app.models import Product
+
+    with transaction.atomic():
+        try:
+            with advisory_lock(name, timeout=timeout, transaction=True):
+                pass
+        except LockTimeout:
+            Product.objects.create(sku=name[-30:], stock=1)
+            return "timed out, then committed"
+    return "acquired"
+
+
+def test_a_session_lock_survives_an_inner_atomic_rollback(admin: Admin) -> None:
+    name = unique_name()
+    with transaction.atomic(), advisory_lock(name):
+        with pytest.raises(ZeroDivisionError), transaction.atomic():
+            1 / 0  # noqa: B018
+        assert holders(admin, name) == [server_pid()]
+    assert holders(admin, name) == []
+
+
+def test_a_session_lock_taken_in_atomic_outlives_its_rollback(admin: Admin) -> None:
+    name = unique_name()
+    lock = advisory_lock(name)
+    with transaction.atomic():
+        lock.acquire()
+        transaction.set_rollback(True)
+    assert holders(admin, name) == [server_pid()]
+    lock.release()
+    assert holders(admin, name) == []
+
+
+def test_transaction_locks_refuse_manual_transaction_management() -> None:
+    transaction.set_autocommit(False)
+    try:
+        with pytest.raises(UnsupportedFeature, match="atomic"):
+            advisory_lock(unique_name(), transaction=True).acquire()
+    finally:
+        transaction.rollback()
+        transaction.set_autocommit(True)
+
+
+# -- connections that Django closes or replaces ---------------------------------------------
+
+
+def test_closing_the_connection_in_the_block_reports_the_lock_lost(admin: Admin) -> None:
+    name = unique_name()
+    with pytest.raises(LockLost), advisory_lock(name):
+        connection.close()
+    # The server ends the closed session's backend (and its locks) asynchronously.
+    wait_for(lambda: holders(admin, name) == [], "the closed session's lock is gone")
+
+
+def test_a_new_connection_starts_with_no_recorded_locks(admin: Admin) -> None:
+    name = unique_name()
+    lock = advisory_lock(name)
+    lock.acquire()
+    connection.close()
+    connection.ensure_connection()
+    assert current_advisory_locks() == []
+    with advisory_lock(name):  # asks the server again rather than trusting a stale count
+        assert holders(admin, name) == [server_pid()]
+    with pytest.raises(LockLost):
+        lock.release()
+
+
+def test_each_thread_locks_on_its_own_connection(admin: Admin) -> None:
+    name = unique_name()
+    barrier = threading.Barrier(2)
+
+    def hold_then_report() -> list[str]:
+        with advisory_lock(name):
+            barrier.wait()
+            barrier.wait()
+        return []
+
+    holder = run_in_thread(hold_then_report)
+    barrier.wait()
+    try:
+        assert name not in current_advisory_locks()
+        assert advisory_lock(name, timeout=0).acquire() is False
+    finally:
+        barrier.wait()
+    holder.get()
