@@ -113,6 +113,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar=("A", "B"),
         help="the two signed 32-bit keys of PostgreSQL's two-key form (instead of NAME)",
     )
+    key.add_argument(
+        "--dialect",
+        choices=("postgresql", "mysql"),
+        default="postgresql",
+        help="show the key as this database sees it: PostgreSQL's integer key(s) "
+        "(default), or the GET_LOCK name on MySQL/MariaDB",
+    )
     output = key.add_mutually_exclusive_group()
     output.add_argument(
         "--details", action="store_true", help="explain the key even when output is piped"
@@ -122,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     list_ = commands.add_parser(
         "list",
         help="show held and awaited advisory locks",
-        description="Show the advisory locks held and awaited in a PostgreSQL database.",
+        description="Show the advisory locks held and awaited in a PostgreSQL, MySQL or "
+        "MariaDB database.",
         epilog=LIST_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -149,6 +157,8 @@ def _run_key(arguments: argparse.Namespace, out: TextIO) -> int:
         key = derive_key(name, scheme=scheme, prefix=prefix)
     except (TypeError, ValueError) as error:
         raise UsageError(str(error)) from None
+    if arguments.dialect == "mysql":
+        return _print_mysql_name(key, arguments, out)
     if arguments.json:
         json.dump(_key_document(key, scheme, prefix), out, ensure_ascii=False)
         out.write("\n")
@@ -156,6 +166,33 @@ def _run_key(arguments: argparse.Namespace, out: TextIO) -> int:
     out.write(" ".join(str(part) for part in key.ints) + "\n")
     if arguments.details or out.isatty():
         out.write(_key_details(key, scheme, prefix))
+    return 0
+
+
+def _print_mysql_name(key: LockKey, arguments: argparse.Namespace, out: TextIO) -> int:
+    from advisory_locks.backends.mysql import server_lock_name
+
+    server_name = server_lock_name(key)
+    quoted = "'" + server_name.replace("\\", "\\\\").replace("'", "''") + "'"
+    if arguments.json:
+        document = {
+            "name": list(key.name) if isinstance(key.name, tuple) else key.name,
+            "prefix": key.prefix or None,
+            "mysql_lock_name": server_name,
+            "lock_sql": f"SELECT GET_LOCK({quoted}, -1);",
+            "unlock_sql": f"SELECT RELEASE_LOCK({quoted});",
+        }
+        json.dump(document, out, ensure_ascii=False)
+        out.write("\n")
+        return 0
+    out.write(server_name + "\n")
+    if arguments.details or out.isatty():
+        out.write(
+            "\n-- in the mysql/mariadb client (MariaDB: a large timeout instead of -1):\n"
+            f"SELECT GET_LOCK({quoted}, -1);\n"
+            f"SELECT RELEASE_LOCK({quoted});\n"
+            f"SELECT IS_USED_LOCK({quoted});\n"
+        )
     return 0
 
 
@@ -312,11 +349,14 @@ def _first_line(error: BaseException) -> str:
 
 
 def _row_document(row: LockedRow) -> dict[str, Any]:
-    classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
+    pg_locks = None
+    if not isinstance(row.key, str):
+        classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
+        pg_locks = {"classid": classid, "objid": objid, "objsubid": objsubid}
     return {
         "pid": row.pid,
         "key": list(row.key) if isinstance(row.key, tuple) else row.key,
-        "pg_locks": {"classid": classid, "objid": objid, "objsubid": objsubid},
+        "pg_locks": pg_locks,
         "mode": row.mode,
         "granted": row.granted,
         "waiting_seconds": row.waiting_seconds,
@@ -335,7 +375,11 @@ def _table(rows: list[LockedRow], out: TextIO) -> str:
     header = ("PID", "STATUS", "MODE", "FOR", "KEY", "PG_LOCKS", "APPLICATION", "CLIENT", "STATE")
     cells = [header]
     for row in rows:
-        classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
+        if isinstance(row.key, str):  # MySQL: the server knows the lock by this name
+            pg_locks = "-"
+        else:
+            classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
+            pg_locks = f"{classid}/{objid}/{objsubid}"
         if row.granted:
             status, duration = "held", _duration(row.held_at_most_seconds, at_most)
         else:
@@ -348,7 +392,7 @@ def _table(rows: list[LockedRow], out: TextIO) -> str:
                 row.mode,
                 duration,
                 key,
-                f"{classid}/{objid}/{objsubid}",
+                pg_locks,
                 row.application_name or "-",
                 row.client_addr or "local",
                 row.state or "-",

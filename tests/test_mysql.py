@@ -1,0 +1,193 @@
+"""MySQL/MariaDB-only behaviour: the server-side name mapping, deadlocks, lost locks,
+drivers and monitoring. What every database shares is in tests/contract."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import URL
+
+from advisory_locks import LockDeadlock, LockLost, UnsupportedFeature, advisory_lock
+from advisory_locks.backends import backend_for_dialect
+from advisory_locks.backends.mysql import server_lock_name
+from advisory_locks.cli import main
+from advisory_locks.executors import executor_for
+from advisory_locks.keys import derive_key
+from tests.databases import pymysql_connect
+from tests.helpers import unique_name, wait_for
+
+
+@pytest.fixture
+def mysql_engine(mysql_url: URL) -> Iterator[Engine]:
+    engine = create_engine(mysql_url)
+    yield engine
+    engine.dispose()
+
+
+def _admin_value(url: URL, sql: str, *params: Any) -> Any:
+    admin = pymysql_connect(url)
+    try:
+        with admin.cursor() as cursor:
+            cursor.execute(sql, params)
+            return cursor.fetchone()[0]
+    finally:
+        admin.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "prefix", "expected"),
+    [
+        ("nightly-report", None, "nightly-report"),
+        ("report", "shop:", "shop:report"),
+        (42, None, "#int:42"),
+        ((1, -2), None, "#pair:1:-2"),
+    ],
+)
+def test_lower_case_ascii_names_and_integers_map_to_readable_server_names(
+    name: Any, prefix: str | None, expected: str
+) -> None:
+    assert server_lock_name(derive_key(name, prefix=prefix)) == expected
+
+
+def test_names_with_capitals_are_hashed_so_case_never_merges_two_names() -> None:
+    digest = hashlib.sha256(b"Job").hexdigest()[:32]
+    assert server_lock_name(derive_key("Job")) == f"Job#{digest}"
+    assert server_lock_name(derive_key("job")) == "job"
+
+
+def test_long_and_unusual_names_map_within_64_characters() -> None:
+    for name in ("x" * 65, "é" * 200, "a b'c\\d", "a#b"):
+        mapped = server_lock_name(derive_key(name))
+        assert len(mapped) <= 64
+        assert "#" in mapped
+        assert mapped == server_lock_name(derive_key(name))  # deterministic
+
+
+def test_names_reach_the_server_as_parameters(mysql_engine: Engine, mysql_url: URL) -> None:
+    name = unique_name("quote'back\\slash")
+    with mysql_engine.connect() as connection, advisory_lock(connection, name):
+        holder = _admin_value(
+            mysql_url, "SELECT IS_USED_LOCK(%s)", server_lock_name(derive_key(name))
+        )
+        assert holder is not None
+
+
+def test_a_deadlock_between_two_connections_raises_lock_deadlock(
+    mysql_engine: Engine, mysql_url: URL
+) -> None:
+    first_name, second_name = unique_name("deadlock-a"), unique_name("deadlock-b")
+    outcomes: dict[str, BaseException | None] = {}
+    with mysql_engine.connect() as first, mysql_engine.connect() as second:
+        advisory_lock(first, first_name).acquire()
+        advisory_lock(second, second_name).acquire()
+
+        def first_waits() -> None:
+            try:
+                advisory_lock(first, second_name, timeout=20).acquire()
+                outcomes["first"] = None
+            except BaseException as error:
+                outcomes["first"] = error
+
+        thread = threading.Thread(target=first_waits)
+        thread.start()
+        server_name = server_lock_name(derive_key(second_name))
+        wait_for(
+            lambda: _admin_value(
+                mysql_url,
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                "WHERE STATE = 'User lock' AND INFO LIKE %s",
+                f"%{server_name}%",
+            ),
+            "the first connection waits",
+        )
+        try:
+            advisory_lock(second, first_name, timeout=20).acquire()
+            outcomes["second"] = None
+        except BaseException as error:
+            outcomes["second"] = error
+        # The victim's lock stays held until released: give it back so the other wakes.
+        second.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": server_name})
+        thread.join(30)
+    assert any(isinstance(error, LockDeadlock) for error in outcomes.values())
+
+
+def test_release_after_the_connection_was_killed_raises_lock_lost(
+    mysql_engine: Engine, mysql_url: URL
+) -> None:
+    name = unique_name("killed")
+    with mysql_engine.connect() as connection:
+        lock = advisory_lock(connection, name)
+        lock.acquire()
+        connection_id = connection.execute(text("SELECT CONNECTION_ID()")).scalar_one()
+        admin = pymysql_connect(mysql_url)
+        try:
+            with admin.cursor() as cursor:
+                cursor.execute(f"KILL {int(connection_id)}")
+        finally:
+            admin.close()
+        with pytest.raises(LockLost):
+            lock.release()
+
+
+def test_a_busy_lock_inside_a_transaction_leaves_the_transaction_usable(
+    mysql_engine: Engine,
+) -> None:
+    name = unique_name("in-transaction")
+    with (
+        mysql_engine.connect() as holder,
+        advisory_lock(holder, name),
+        mysql_engine.connect() as connection,
+        connection.begin(),
+    ):
+        assert advisory_lock(connection, name, timeout=0).acquire() is False
+        assert connection.execute(text("SELECT 1")).scalar_one() == 1
+
+
+def test_mysqlclient_takes_and_releases_locks(mysql_url: URL) -> None:
+    pytest.importorskip("MySQLdb", reason="mysqlclient is optional: pip install mysqlclient")
+    engine = create_engine(mysql_url.set(drivername="mysql+mysqldb"))
+    name = unique_name("mysqlclient")
+    try:
+        with engine.connect() as first, engine.connect() as second:
+            with advisory_lock(first, name, timeout=1):
+                assert advisory_lock(second, name, timeout=0.2).acquire() is False
+            lock = advisory_lock(second, name, timeout=0)
+            assert lock.acquire() is True
+            lock.release()
+    finally:
+        engine.dispose()
+
+
+def test_list_locks_shows_the_held_lock_or_says_how_to_expose_locks(
+    mysql_engine: Engine, mysql_url: URL
+) -> None:
+    name = unique_name("listed")
+    backend = backend_for_dialect("mysql")
+    sources = _admin_value(
+        mysql_url,
+        "SELECT @@performance_schema + (SELECT COUNT(*) FROM information_schema.PLUGINS "
+        "WHERE PLUGIN_NAME = 'METADATA_LOCK_INFO' AND PLUGIN_STATUS = 'ACTIVE')",
+    )
+    with (
+        mysql_engine.connect() as holder,
+        advisory_lock(holder, name),
+        mysql_engine.connect() as viewer,
+    ):
+        pooled = viewer.connection
+        executor = executor_for(pooled.dbapi_connection, pooled.driver_connection)
+        if sources:
+            keys = [row.key for row in backend.list_locks(executor)]
+            assert server_lock_name(derive_key(name)) in keys
+        else:
+            with pytest.raises(UnsupportedFeature, match="metadata_lock_info"):
+                backend.list_locks(executor)
+
+
+def test_cli_key_prints_the_mysql_lock_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["key", "Job", "--dialect", "mysql"]) == 0
+    assert capsys.readouterr().out == server_lock_name(derive_key("Job")) + "\n"

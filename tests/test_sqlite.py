@@ -1,0 +1,64 @@
+"""SQLite-only behaviour: where the lock files live and what cannot work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine
+
+from advisory_locks import UnsupportedFeature, advisory_lock
+from advisory_locks.backends import backend_for_dialect
+from advisory_locks.backends.sqlite import lock_file_path
+from advisory_locks.executors import executor_for
+from advisory_locks.keys import derive_key
+
+
+def test_an_in_memory_database_is_refused_with_a_clear_error() -> None:
+    engine = create_engine("sqlite://")
+    with engine.connect() as connection, pytest.raises(UnsupportedFeature, match="in-memory"):
+        advisory_lock(connection, "job").acquire()
+    engine.dispose()
+
+
+def test_lock_files_live_next_to_the_database_file(tmp_path: Path) -> None:
+    database = tmp_path / "app.sqlite"
+    engine = create_engine(f"sqlite:///{database}")
+    with engine.connect() as connection, advisory_lock(connection, "job"):
+        path = lock_file_path(database, derive_key("job"))
+        assert path.parent == tmp_path / "app.sqlite.advisory-locks"
+        assert path.exists()
+    engine.dispose()
+
+
+def test_one_connection_cannot_hold_a_name_in_both_modes(tmp_path: Path) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path / 'app.sqlite'}")
+    with (
+        engine.connect() as connection,
+        advisory_lock(connection, "job", shared=True),
+        pytest.raises(UnsupportedFeature, match="shared"),
+    ):
+        advisory_lock(connection, "job").acquire()
+    engine.dispose()
+
+
+def test_closing_the_connection_frees_its_locks(tmp_path: Path) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path / 'app.sqlite'}")
+    with engine.connect() as connection:
+        advisory_lock(connection, "job").acquire()
+        connection.invalidate()
+    with engine.connect() as other:
+        lock = advisory_lock(other, "job", timeout=0)
+        assert lock.acquire() is True
+        lock.release()
+    engine.dispose()
+
+
+def test_listing_locks_is_refused_and_points_to_the_lock_files(tmp_path: Path) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path / 'app.sqlite'}")
+    with engine.connect() as connection:
+        pooled = connection.connection
+        executor = executor_for(pooled.dbapi_connection, pooled.driver_connection)
+        with pytest.raises(UnsupportedFeature, match="lsof"):
+            backend_for_dialect("sqlite").list_locks(executor)
+    engine.dispose()
