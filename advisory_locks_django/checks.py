@@ -9,10 +9,10 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
-from django.db import connections
+from django.db.utils import load_backend
 
+from advisory_locks.backends import backend_for_dialect
 from advisory_locks.errors import UnsupportedDatabase
-from advisory_locks_django.binding import backend_for_alias
 from advisory_locks_django.conf import SESSION_UNSAFE_POOLERS, SETTING, lock_settings, problems
 
 __all__ = ["check_databases", "check_settings"]
@@ -32,9 +32,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
 def check_databases(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """W001-W003: databases that cannot hold locks, or hold session locks unsafely."""
     messages: list[CheckMessage] = []
-    for alias in connections:
+    vendors = {alias: _vendor(database) for alias, database in settings.DATABASES.items()}
+    for alias, vendor in vendors.items():
         try:
-            backend_for_alias(alias)
+            backend_for_dialect(vendor)
         except UnsupportedDatabase as error:
             messages.append(
                 Warning(
@@ -48,7 +49,7 @@ def check_databases(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
     if problems(getattr(settings, SETTING, {})):
         return messages  # check_settings reports those
     configured = lock_settings()
-    for alias in connections:
+    for alias, vendor in vendors.items():
         pooler = configured.poolers.get(alias)
         if pooler in SESSION_UNSAFE_POOLERS and not configured.transaction:
             messages.append(
@@ -66,7 +67,7 @@ def check_databases(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
         if (
             pooler is None
             and database.get("DISABLE_SERVER_SIDE_CURSORS")
-            and connections[alias].vendor == "postgresql"
+            and vendor == "postgresql"
         ):
             messages.append(
                 Warning(
@@ -81,3 +82,12 @@ def check_databases(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage
                 )
             )
     return messages
+
+
+def _vendor(database: Any) -> str:
+    # The wrapper class says its vendor without connecting or touching `connections`.
+    try:
+        vendor: str = load_backend(database.get("ENGINE", "")).DatabaseWrapper.vendor
+    except Exception:  # Django's own checks report an engine that does not load
+        return "unknown"
+    return vendor
