@@ -7,7 +7,7 @@ The convention the examples are written to (docs/development.md explains it to a
   SQLAlchemy URL; the runner points it at the test server with ``search_path`` set to a
   schema made for that block alone, so ``create_all()`` / ``CREATE TABLE`` never collide
   with other blocks or concurrent test runs, and the schema is dropped afterwards.
-- ``$ADVISORY_LOCKS_PREFIX`` is set to a value unique to the block, so the lock names an
+- ``$ADVISORY_LOCKS_PREFIX`` is set to a number unique to the block, so the lock names an
   example takes ("nightly-report") do not meet another run's. An example that shows an
   exact key passes ``prefix=`` itself.
 - A block titled like a file (```` ```python title="shop/models.py" ````) is also written
@@ -227,7 +227,8 @@ def run_example(example: Example, directory: Path, database_url: str) -> None:
     }
     environment.update(
         DATABASE_URL=database_url,
-        ADVISORY_LOCKS_PREFIX=f"docs-{uuid.uuid4().hex[:8]}:",
+        # Digits, so the rails scheme (integer prefixes) takes it as well as the hashed ones.
+        ADVISORY_LOCKS_PREFIX=str(uuid.uuid4().int % 2**31 or 1),
         DJANGO_SETTINGS_MODULE="docs_settings",
         PYTHONPATH=os.pathsep.join([str(directory), str(ROOT)]),
         PYTHONDONTWRITEBYTECODE="1",
