@@ -13,6 +13,8 @@ import pytest
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL
 
+from tests.faults.pgbouncer import PgBouncer, running_pgbouncer
+
 FAULTS_INJECTED: dict[str, int] = {}
 
 
@@ -40,3 +42,10 @@ def make_engine(postgres_url: URL) -> Iterator[Callable[..., Engine]]:
     yield make
     for engine in engines:
         engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(postgres_url: URL) -> Iterator[PgBouncer]:
+    """A PgBouncer in front of the test server, in session and transaction pooling."""
+    with running_pgbouncer(postgres_url) as bouncer:
+        yield bouncer

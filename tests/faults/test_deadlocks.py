@@ -218,7 +218,7 @@ def test_lock_set_rejects_a_single_name_in_place_of_a_collection(
     names: object, make_engine: Callable[..., Engine]
 ) -> None:
     with make_engine().connect() as connection, pytest.raises(TypeError, match="collection"):
-        advisory_lock_set(connection, names)  # type: ignore[arg-type]
+        advisory_lock_set(connection, names)  # type: ignore[call-overload]
 
 
 def test_lock_set_rejects_a_bad_name_before_any_sql(make_engine: Callable[..., Engine]) -> None:
