@@ -76,6 +76,7 @@ class DjangoConnectionLocks(ConnectionLocks):
     # Whether the server session differs from the one the driver connected to (a pooler
     # or proxy in between); None until the server was asked, once per DB-API connection.
     behind_proxy: bool | None = None
+    executor: DjangoExecutor | None = None
     # The run_on_commit callback that watches each transaction lock.
     commit_hooks: dict[Holding, weakref.ReferenceType[Callable[[], None]]] = field(
         default_factory=dict
@@ -237,14 +238,17 @@ class DjangoExecutor:
 class DjangoSite:
     """Locks on one database alias, on the connection of the thread that takes them."""
 
-    __slots__ = ("alias", "backend")
+    __slots__ = ("alias", "backend", "last_lease")
 
     def __init__(self, alias: str) -> None:
         self.alias = alias
         self.backend = backend_for_alias(alias)
+        # The lease of the latest acquire, so the caller can find what it was granted.
+        self.last_lease: DjangoLease | None = None
 
     def lease(self, *, transaction: bool) -> DjangoLease:
-        return DjangoLease(self, connections[self.alias], transaction=transaction)
+        self.last_lease = DjangoLease(self, connections[self.alias], transaction=transaction)
+        return self.last_lease
 
     def locks(self) -> DjangoConnectionLocks:
         """This thread's registry for the alias, connecting first if needed."""
@@ -282,8 +286,10 @@ class DjangoLease:
                 "transaction=True needs atomic(): manual transaction management "
                 "(set_autocommit(False)) gives Django no transaction end to tie the lock to"
             )
-        # Raises SynchronousOnlyOperation in async code, like any Django query would.
-        wrapper.ensure_connection()
+        if wrapper.connection is None:
+            # Raises SynchronousOnlyOperation in async code, like any Django query would
+            # (async code has no connection of its own to find here).
+            wrapper.ensure_connection()
         # Like a query, taking a lock in a transaction Django knows is broken is refused.
         wrapper.validate_no_broken_transaction()
         self.wrapper = wrapper
@@ -292,7 +298,9 @@ class DjangoLease:
         # Django's autocommit is the driver's: off means the statements join a
         # transaction (atomic(), or set_autocommit(False)) that the backend must protect.
         self.in_transaction = not wrapper.get_autocommit()
-        self.executor = DjangoExecutor(wrapper, self.dbapi_connection)
+        if self.registry.executor is None:
+            self.registry.executor = DjangoExecutor(wrapper, self.dbapi_connection)
+        self.executor = self.registry.executor
         self._check_server(site, pooler, session_lock=not transaction)
         if self.registry.pending_release and not self.in_transaction:
             release_pending(self.registry, DjangoExecutor(wrapper, self.dbapi_connection))

@@ -168,8 +168,6 @@ class DjangoAdvisoryLock:
             atomic.__enter__()
         started = time.monotonic()
         try:
-            locks = self._site.locks()
-            before = locks.find(lock.key_info, shared=self.shared, transaction=self.transaction)
             granted = lock.acquire()
         except BaseException as error:
             if atomic is not None:
@@ -181,11 +179,15 @@ class DjangoAdvisoryLock:
                 atomic.__exit__(None, None, None)
             self._send_failed(lock.key_info, started, None)
             return False
+        lease = self._site.last_lease
+        assert lease is not None
+        locks = lease.registry
         holding = locks.find(lock.key_info, shared=self.shared, transaction=self.transaction)
         assert holding is not None
         self._atomics.append(atomic)
         self._holdings.append((locks, holding))
-        if before is None:
+        if locks.granted_at.get(holding, 0.0) >= started:
+            # Granted by the server just now, not counted on a lock this connection held.
             self._send(signals.lock_acquired, waited=time.monotonic() - started)
         return True
 
