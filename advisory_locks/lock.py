@@ -66,7 +66,12 @@ class LockSite(Protocol):
 
 
 class AdvisoryLock:
-    """A named database lock; see :func:`advisory_locks.advisory_lock`."""
+    """A named database lock, made by [`advisory_lock`][advisory_locks.advisory_lock].
+
+    A context manager (``with`` acquires, raising ``LockNotAcquired`` / ``LockTimeout``
+    when busy, and releases at the end, also on an exception) and an explicit
+    ``acquire()`` / ``release()`` pair. Do not construct it directly.
+    """
 
     __slots__ = (
         "_count",
@@ -101,6 +106,7 @@ class AdvisoryLock:
 
     @property
     def name(self) -> LockName:
+        """The name this lock was made with."""
         return self.key_info.name
 
     @property
@@ -272,7 +278,8 @@ class AdvisoryLock:
 
 
 class AsyncAdvisoryLock:
-    """The awaitable twin of :class:`AdvisoryLock`, for SQLAlchemy's asyncio binds."""
+    """The awaitable twin of [`AdvisoryLock`][advisory_locks.AdvisoryLock], for
+    SQLAlchemy's asyncio binds: ``async with``, ``await acquire()``, ``await release()``."""
 
     __slots__ = ("_lock", "_run")
 

@@ -112,7 +112,29 @@ def advisory_lock(
     key_scheme: str | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLock | AsyncAdvisoryLock:
-    """A named lock held by the database behind ``bind``; see the module docstring."""
+    """A named lock held by the database behind ``bind``.
+
+    Use it as ``with advisory_lock(...)`` (``async with`` for an async bind), or call
+    ``acquire()`` / ``release()``. Nothing is sent to the server until it is acquired.
+
+    :param bind: a ``Session``, ``Connection`` or ``Engine`` (or their asyncio versions);
+        it decides which connection holds the lock (see *Session and transaction locks*).
+    :param name: a non-empty ``str`` (hashed to a key), an ``int`` (a signed 64-bit key)
+        or an ``(int, int)`` pair (two signed 32-bit keys).
+    :param timeout: ``None`` waits until granted, ``0`` never waits, ``t > 0`` lets the
+        server wait at most ``t`` seconds.
+    :param shared: take a shared (reader) lock instead of an exclusive one.
+    :param transaction: hold the lock until the surrounding transaction ends; refused
+        where there is no transaction (an ``Engine``, an ``AUTOCOMMIT`` connection).
+    :param key_scheme: how a ``str`` name becomes a key: ``"sha256"`` (default),
+        ``"pglock"`` or ``"rails"``; default ``$ADVISORY_LOCKS_KEY_SCHEME``.
+    :param key_prefix: a namespace for ``str`` names; default ``$ADVISORY_LOCKS_PREFIX``.
+    :returns: an ``AdvisoryLock``, or an ``AsyncAdvisoryLock`` for an async bind.
+    :raises TypeError: for a name, bind or flag of the wrong type, before any SQL.
+    :raises ValueError: for an empty name, an out-of-range key or a negative timeout.
+    :raises UnsupportedFeature: for ``transaction=True`` without a transaction, or a mode
+        the database cannot provide.
+    """
     key = derive_key(name, scheme=key_scheme, prefix=key_prefix)
     validate_flags(shared=shared, transaction=transaction)
     sync_bind = _sync_bind(bind)

@@ -14,6 +14,7 @@ The convention the examples are written to (docs/development.md explains it to a
   to that path next to every script of its page, so later blocks can import it. A title
   of ``settings.py`` is a Django settings fragment, applied over the runner's base
   settings (which supply ``DATABASES`` from ``$DATABASE_URL``).
+- A page's ``<app>/models.py`` blocks make ``<app>`` an installed app.
 - A block that imports ``django`` or ``advisory_locks_django``, or is a ``settings.py``,
   runs with Django set up (``django.setup()`` and ``migrate --run-syncdb``) first.
 - The only way out is a visible marker on the line(s) right before the fence:
@@ -166,7 +167,7 @@ DATABASES = {
         "OPTIONS": {"options": _url.query["options"]},
     }
 }
-INSTALLED_APPS = ["advisory_locks_django"]
+INSTALLED_APPS = ["advisory_locks_django", *DOCS_APPS]
 SECRET_KEY = "docs-examples"
 USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -195,8 +196,11 @@ def example_schema(postgres_url: URL) -> Iterator[str]:
 
 def write_project(example: Example, directory: Path) -> None:
     """Lay out the page's file-titled blocks and this example's script in ``directory``."""
-    settings = [BASE_SETTINGS]
-    for block in examples_in(ROOT / example.page):
+    blocks = examples_in(ROOT / example.page)
+    # A page's "<app>/models.py" blocks make <app> an installed app.
+    apps = sorted({b.title.split("/")[0] for b in blocks if (b.title or "").endswith("/models.py")})
+    settings = [f"DOCS_APPS = {apps!r}\n" + BASE_SETTINGS]
+    for block in blocks:
         if block.title == "settings.py":
             settings.append(block.source)
         elif block.module is not None:
