@@ -77,6 +77,10 @@ class DjangoConnectionLocks(ConnectionLocks):
     # or proxy in between); None until the server was asked, once per DB-API connection.
     behind_proxy: bool | None = None
     executor: DjangoExecutor | None = None
+    # Lives exactly as long as the DB-API connection (this registry is replaced when
+    # Django reconnects): backends that hold locks client-side (SQLite's file locks)
+    # keep them here, so they go when the connection goes.
+    driver_info: dict[Any, Any] = field(default_factory=dict)
     # The run_on_commit callback that watches each transaction lock.
     commit_hooks: dict[Holding, weakref.ReferenceType[Callable[[], None]]] = field(
         default_factory=dict
@@ -178,7 +182,7 @@ def observe_connection(wrapper: BaseDatabaseWrapper) -> None:
         return
     locks = connection_locks(wrapper)
     if locks.pending_release and wrapper.connection is not None and wrapper.get_autocommit():
-        release_pending(locks, DjangoExecutor(wrapper, wrapper.connection))
+        release_pending(locks, DjangoExecutor(wrapper, wrapper.connection, locks.driver_info))
 
 
 def release_pending(locks: DjangoConnectionLocks, executor: DjangoExecutor) -> None:
@@ -213,9 +217,11 @@ class DjangoExecutor:
 
     __slots__ = ("_executor", "wrapper")
 
-    def __init__(self, wrapper: BaseDatabaseWrapper, dbapi_connection: Any) -> None:
+    def __init__(
+        self, wrapper: BaseDatabaseWrapper, dbapi_connection: Any, info: dict[Any, Any]
+    ) -> None:
         self.wrapper = wrapper
-        self._executor = executor_for(dbapi_connection, dbapi_connection)
+        self._executor = executor_for(dbapi_connection, dbapi_connection, info)
 
     @property
     def state(self) -> dict[str, Any]:
@@ -299,11 +305,13 @@ class DjangoLease:
         # transaction (atomic(), or set_autocommit(False)) that the backend must protect.
         self.in_transaction = not wrapper.get_autocommit()
         if self.registry.executor is None:
-            self.registry.executor = DjangoExecutor(wrapper, self.dbapi_connection)
+            self.registry.executor = DjangoExecutor(
+                wrapper, self.dbapi_connection, self.registry.driver_info
+            )
         self.executor = self.registry.executor
         self._check_server(site, pooler, session_lock=not transaction)
         if self.registry.pending_release and not self.in_transaction:
-            release_pending(self.registry, DjangoExecutor(wrapper, self.dbapi_connection))
+            release_pending(self.registry, self.registry.executor)
 
     def _check_server(self, site: DjangoSite, pooler: str | None, *, session_lock: bool) -> None:
         # Refuses servers that only imitate advisory locks; asked once per connection.

@@ -232,7 +232,9 @@ class DjangoAdvisoryLock:
             if locks.pending_release:
                 from advisory_locks_django.binding import DjangoExecutor, release_pending
 
-                release_pending(locks, DjangoExecutor(wrapper, wrapper.connection))
+                release_pending(
+                    locks, DjangoExecutor(wrapper, wrapper.connection, locks.driver_info)
+                )
 
     def __enter__(self) -> DjangoAdvisoryLock:
         if self.skip_if_locked:

@@ -70,7 +70,8 @@ class Command(BaseCommand):
         backend = backend_for_alias(alias)
         wrapper = connections[alias]
         wrapper.ensure_connection()
-        rows = backend.list_locks(DjangoExecutor(wrapper, wrapper.connection))
+        # Listing holds nothing client-side, so a throwaway state dict is enough.
+        rows = backend.list_locks(DjangoExecutor(wrapper, wrapper.connection, {}))
         names = self._names(alias, options["name"])
         if options["json"]:
             documents = [
