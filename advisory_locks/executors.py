@@ -7,6 +7,7 @@ path. Most drivers follow DB-API closely enough for one executor; asyncpg does n
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -21,43 +22,54 @@ __all__ = [
 
 # Key in a pooled connection's info dict (it lives and dies with the DB-API connection).
 STATE_INFO_KEY: Final = "advisory_locks.backend_state"
+EXECUTOR_INFO_KEY: Final = "advisory_locks.executor"
 
 
 class DBAPIExecutor:
     """Executor for DB-API drivers with the ``%s`` paramstyle (psycopg 3, psycopg2, PyMySQL,
-    mysqlclient), and for sqlite3, whose backend runs no parameterised SQL."""
+    mysqlclient), and for sqlite3, whose backend runs no parameterised SQL.
 
-    __slots__ = ("connection", "state")
+    One cursor serves every statement for the life of the connection: making a cursor
+    costs more client time than a lock's whole Python path (psycopg 3 builds its adapter
+    maps per cursor). Reuse is safe because every method reads its whole result before
+    returning, and each driver's ``execute()`` discards whatever an earlier statement left
+    behind; a cursor shared by threads would mix up results, so a mutex brackets each
+    statement and its fetch. The cursor dies with its connection, as does this executor
+    (it is kept in the connection's ``info``; see :func:`executor_for`).
+    """
+
+    __slots__ = ("_cursor", "_mutex", "connection", "state")
 
     def __init__(self, connection: Any, state: dict[str, Any] | None = None) -> None:
         self.connection = connection
         self.state: dict[str, Any] = {} if state is None else state
+        self._cursor: Any = None
+        self._mutex = threading.Lock()
 
     def fetch_value(self, sql: str, params: Sequence[object]) -> object:
-        cursor = self.connection.cursor()
-        try:
+        with self._mutex:
+            cursor = self._cursor_for_statement()
             cursor.execute(sql, tuple(params))
             row = cursor.fetchone()
-        finally:
-            cursor.close()
         return None if row is None else row[0]
 
     def run_script(self, sql: str) -> None:
         # Without parameters psycopg 3 and psycopg2 use the simple query protocol, which
         # accepts several statements in one round trip.
-        cursor = self.connection.cursor()
-        try:
-            cursor.execute(sql)
-        finally:
-            cursor.close()
+        with self._mutex:
+            self._cursor_for_statement().execute(sql)
 
     def fetch_rows(self, sql: str) -> list[tuple[object, ...]]:
-        cursor = self.connection.cursor()
-        try:
+        with self._mutex:
+            cursor = self._cursor_for_statement()
             cursor.execute(sql)
             return [tuple(row) for row in cursor.fetchall()]
-        finally:
-            cursor.close()
+
+    def _cursor_for_statement(self) -> Any:
+        cursor = self._cursor
+        if cursor is None or getattr(cursor, "closed", False) is True:
+            cursor = self._cursor = self.connection.cursor()
+        return cursor
 
 
 class AsyncpgExecutor:
@@ -118,6 +130,14 @@ def protocol_session_id(driver_connection: Any) -> int | None:
     pid = getattr(info, "backend_pid", None)  # psycopg 3, psycopg2 >= 2.8
     if pid is None and hasattr(driver_connection, "get_server_pid"):  # asyncpg
         pid = driver_connection.get_server_pid()
+    if pid is None:
+        # MySQL/MariaDB tell the connection id (CONNECTION_ID()) in the handshake:
+        # PyMySQL keeps it as server_thread_id = (id,), mysqlclient returns it from thread_id().
+        thread_id = getattr(driver_connection, "server_thread_id", None)
+        if isinstance(thread_id, tuple) and thread_id:
+            pid = thread_id[0]
+        elif callable(getattr(driver_connection, "thread_id", None)):
+            pid = driver_connection.thread_id()
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
@@ -130,12 +150,24 @@ def executor_for(
     entry's ``info``); backends that hold locks client-side keep them in it, so they go
     when the connection goes.
     """
+    if info is not None:
+        # One executor (and so one cursor) per DB-API connection: ``info`` lives and dies
+        # with that connection, and the identity check covers a caller that hands the
+        # same dict with another connection.
+        cached = info.get(EXECUTOR_INFO_KEY)
+        if cached is not None and cached.connection is dbapi_connection:
+            return cached  # type: ignore[no-any-return]
     state = None if info is None else info.setdefault(STATE_INFO_KEY, {})
+    executor: DBAPIExecutor | AsyncpgExecutor
     if type(driver_connection).__module__.startswith("asyncpg"):
         from sqlalchemy.util import await_only
 
-        return AsyncpgExecutor(dbapi_connection, driver_connection, await_only, state)
-    return DBAPIExecutor(dbapi_connection, state)
+        executor = AsyncpgExecutor(dbapi_connection, driver_connection, await_only, state)
+    else:
+        executor = DBAPIExecutor(dbapi_connection, state)
+    if info is not None:
+        info[EXECUTOR_INFO_KEY] = executor
+    return executor
 
 
 def driver_autocommit(dbapi_connection: Any) -> bool:

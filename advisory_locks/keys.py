@@ -28,6 +28,7 @@ import hashlib
 import os
 import zlib
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Final, Literal, TypeAlias
 
 __all__ = [
@@ -113,6 +114,19 @@ def derive_key(
         raise ValueError("lock name must not be empty")
     scheme = _resolve_scheme(scheme)
     prefix = os.environ.get(PREFIX_ENV) if prefix is None else prefix
+    if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, (str, int))):
+        # Checked before the cache, which would otherwise answer True as it did 1.
+        raise TypeError(f"key prefix must be str or int, not {type(prefix).__name__}")
+    return _string_key(name, scheme, prefix)
+
+
+# Applications lock the same few names over and over (a job's name, "checkout:<sku>"):
+# hashing and validating again is a measurable part of a lock's client time. The cache is
+# keyed on the scheme and prefix AFTER the environment was read, so changing
+# $ADVISORY_LOCKS_KEY_SCHEME or $ADVISORY_LOCKS_PREFIX takes effect at once; LockKey is
+# frozen, so handing one instance to many locks is safe. Errors are not cached.
+@lru_cache(maxsize=4096)
+def _string_key(name: str, scheme: str, prefix: str | int | None) -> LockKey:
     if scheme == "rails":
         return LockKey(name, _rails_key(name, prefix), _text_prefix(prefix))
     text_prefix = _text_prefix(prefix)

@@ -111,7 +111,11 @@ def record_statements(engine: Engine) -> list[str]:
 
     class RecordingCursor(psycopg.Cursor[Any]):
         def execute(self, query: Any, params: Any = None, **options: Any) -> Any:
-            statements.append(query if isinstance(query, str) else repr(query))
+            text = query if isinstance(query, str) else repr(query)
+            if params and isinstance(query, str):
+                # Recorded as the server would read it, keys in place of the placeholders.
+                text = psycopg.ClientCursor(self.connection).mogrify(query, params)
+            statements.append(text)
             return super().execute(query, params, **options)
 
     @event.listens_for(engine, "connect")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import cache
 from typing import Final
 
 from advisory_locks.backends.base import Executor, LockedRow, Timeout
@@ -32,6 +33,9 @@ IN_FAILED_TRANSACTION: Final = "25P02"
 CONNECTION_GONE: Final = frozenset({"57P01", "57P02", "57P03", "25P03"})
 
 SAVEPOINT: Final = "advisory_locks_acquire"
+TIMEOUT_LOCK_SQL: Final = (
+    "SELECT pg_{}({}) FROM (SELECT pg_catalog.set_config('lock_timeout', %s, true)) AS timeout"
+)
 SAVED_TIMEOUT_SETTING: Final = "advisory_locks.saved_lock_timeout"
 
 # pg_locks does not say when a lock was granted. The holder's connection start bounds it
@@ -69,6 +73,15 @@ INSPECT_SERVER_SQL: Final = (
 # Only products known to stub the functions: refusing a working server would be worse.
 IMITATIONS: Final = ("CockroachDB",)
 
+# Errors after which the backend may hold the lock anyway (see _give_back_late_grant).
+GRANT_MAY_SURVIVE: Final = frozenset({LOCK_NOT_AVAILABLE, QUERY_CANCELED})
+RELEASE_LATE_GRANT_SQL: Final = """
+SELECT pg_catalog.pg_{function}({placeholders}) FROM pg_catalog.pg_locks
+WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted
+  AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+  AND classid::int8 = %s AND objid::int8 = %s AND objsubid::int4 = %s AND mode = '{mode}'
+"""
+
 
 class PostgresBackend:
     """Session and transaction advisory locks, exclusive or shared, server-side waits."""
@@ -97,21 +110,28 @@ class PostgresBackend:
             # The try_ variants never wait and never raise for a busy lock, so there is
             # nothing to protect the caller's transaction from.
             granted = executor.fetch_value(
-                f"SELECT pg_try_{function}({_placeholders(key)})", key.ints
+                _statement("SELECT pg_try_{}({})", function, key), key.ints
             )
             return bool(granted)
-        call = f"SELECT pg_{function}({_literals(key)})"
         try:
             if in_transaction:
+                call = f"SELECT pg_{function}({_literals(key)})"
                 executor.run_script(_acquire_in_transaction_script(call, timeout))
             elif timeout is None:
-                executor.run_script(call)
+                executor.fetch_value(_statement("SELECT pg_{}({})", function, key), key.ints)
             else:
-                # Outside a transaction block, a multi-statement query is one implicit
-                # transaction: SET LOCAL ends with it, so the caller's lock_timeout is
+                # Outside a transaction block one statement is one implicit transaction,
+                # and set_config(..., true) is local to it: the caller's lock_timeout is
                 # back in force as soon as the lock is granted (a session lock outlives
-                # the implicit transaction). One round trip.
-                executor.run_script(f"SET LOCAL lock_timeout = {_timeout_ms(timeout)}; {call}")
+                # the implicit transaction). The set_config sits in a FROM subquery so it
+                # runs before the wait starts: a subquery with a volatile output is never
+                # flattened into its parent, and the parent's row needs the subquery's.
+                # One parameterised statement, so drivers that prepare statements (psycopg
+                # 3 after a few uses) reuse its plan, as they do the unlock's.
+                executor.fetch_value(
+                    _statement(TIMEOUT_LOCK_SQL, function, key),
+                    (*key.ints, str(_timeout_ms(timeout))),
+                )
         except Exception as error:
             if in_transaction and not self.is_connection_failure(error):
                 # The failed wait aborted the caller's transaction; rolling back to our
@@ -119,12 +139,29 @@ class PostgresBackend:
                 executor.run_script(
                     f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; RELEASE SAVEPOINT {SAVEPOINT}"
                 )
+            if not transaction and sqlstate_of(error) in GRANT_MAY_SURVIVE:
+                self._give_back_late_grant(executor, key, shared=shared)
             return _granted_or_raise(error, key)
         return True
 
+    def _give_back_late_grant(self, executor: Executor, key: LockKey, *, shared: bool) -> None:
+        # PostgreSQL can grant the lock in the instant lock_timeout (or a cancel) fires:
+        # the statement fails, yet the backend keeps the lock (LockErrorCleanup records
+        # the grant). A transaction lock ends with the failed (sub)transaction; a session
+        # lock would stay with a connection whose caller was told it did not get it, and
+        # go back to the pool with it. This library records no hold of this key on this
+        # connection (else it would not have asked the server), so any hold is that grant.
+        # One more round trip, only after a wait that failed.
+        sql = RELEASE_LATE_GRANT_SQL.format(
+            function="advisory_unlock_shared" if shared else "advisory_unlock",
+            placeholders=", ".join(["%s"] * len(key.ints)),
+            mode="ShareLock" if shared else "ExclusiveLock",
+        )
+        executor.fetch_value(sql, [*key.ints, *key.pg_locks_ids()])
+
     def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
         function = "advisory_unlock_shared" if shared else "advisory_unlock"
-        return bool(executor.fetch_value(f"SELECT pg_{function}({_placeholders(key)})", key.ints))
+        return bool(executor.fetch_value(_statement("SELECT pg_{}({})", function, key), key.ints))
 
     def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
         # The mode is one of two constants, never caller text.
@@ -252,6 +289,16 @@ def _lock_function(*, shared: bool, transaction: bool) -> str:
 
 def _placeholders(key: LockKey) -> str:
     return ", ".join(["%s"] * len(key.ints))
+
+
+def _statement(template: str, function: str, key: LockKey) -> str:
+    return _statement_for(template, function, len(key.ints))
+
+
+@cache
+def _statement_for(template: str, function: str, arity: int) -> str:
+    # A handful of distinct texts (function x key arity): built once, not per lock.
+    return template.format(function, ", ".join(["%s"] * arity))
 
 
 def _literals(key: LockKey) -> str:
