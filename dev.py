@@ -3,7 +3,7 @@
 
     python3 dev.py test [pytest args...]   install .[test], run pytest
     python3 dev.py lint                    install .[dev], run ruff and mypy
-    python3 dev.py demo [args...]          install .[demo], run the demo
+    python3 dev.py demo [args...]          install .[demo], run example_project's checkout race
     python3 dev.py docs [args...]          install .[docs], build the docs strictly into site/
 
 The virtualenv lives in .venv. Each set of extras is reinstalled when pyproject.toml is
@@ -29,13 +29,14 @@ PYTEST_NO_TESTS_COLLECTED = 5
 
 
 def run(*command: str | Path) -> int:
-    print("+", " ".join(str(part) for part in command), flush=True)
+    # On stderr, so that a command's own stdout (`dev.py demo --json`) stays clean.
+    print("+", " ".join(str(part) for part in command), file=sys.stderr, flush=True)
     return subprocess.call([str(part) for part in command], cwd=ROOT)
 
 
 def ensure_installed(extras: str) -> None:
     if not PYTHON.exists():
-        print(f"+ creating {VENV}", flush=True)
+        print(f"+ creating {VENV}", file=sys.stderr, flush=True)
         venv.create(VENV, with_pip=True)
     stamp = VENV / f".dev-py-installed-{extras.replace(',', '-')}"
     if stamp.exists() and stamp.stat().st_mtime >= PYPROJECT.stat().st_mtime:
@@ -68,7 +69,7 @@ def lint(paths: list[str]) -> int:
 
 def demo(demo_args: list[str]) -> int:
     ensure_installed("demo")
-    return run(PYTHON, ROOT / "examples" / "contention_demo.py", *demo_args)
+    return run(PYTHON, ROOT / "example_project" / "manage.py", "checkout_race", *demo_args)
 
 
 def docs(mkdocs_args: list[str]) -> int:

@@ -1,7 +1,10 @@
 """Two "pods" run the same cron job at once; a PostgreSQL advisory lock lets one through.
 
-    python3 dev.py demo                 # embedded PostgreSQL, or the local server
-    DATABASE_URL=postgresql+psycopg://user@host/db python3 dev.py demo
+    .venv/bin/python examples/contention_demo.py     # the local server, or pgserver
+    DATABASE_URL=postgresql+psycopg://user@host/db .venv/bin/python examples/contention_demo.py
+
+(``python3 dev.py demo`` sets up .venv; without a PostgreSQL server on 127.0.0.1:5432,
+``pip install pgserver`` gives an embedded one, CPython 3.10-3.12.)
 
 Three scenes, each with real processes and their own connections:
 
