@@ -190,7 +190,13 @@ def advisory_lock_set(
     keys = [derive_key(name, scheme=key_scheme, prefix=key_prefix) for name in names]
     validate_flags(shared=shared, transaction=transaction)
     sync_bind = _sync_bind(bind)
-    site = _site_for(sync_bind, transaction=transaction)
+    site: LockSite
+    if isinstance(sync_bind, Engine) and not transaction:
+        # One connection for the whole set: a connection per lock could exhaust the pool
+        # while the set waits for its next lock.
+        site = SharedEngineSite(sync_bind)
+    else:
+        site = _site_for(sync_bind, transaction=transaction)
     lock_set = AdvisoryLockSet(
         (
             AdvisoryLock(site, key, timeout=timeout, shared=shared, transaction=transaction)
@@ -489,6 +495,23 @@ class EngineSite:
 
     def held_names(self) -> list[LockName]:
         return [name for lease in list(_engine_leases(self.engine)) for name in lease.locks.names()]
+
+
+class SharedEngineSite(EngineSite):
+    """The locks of one lock set on an Engine share one pooled connection."""
+
+    __slots__ = ("_lease",)
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self._lease: PooledLease | None = None
+
+    def lease(self, *, transaction: bool) -> Lease:
+        # A lease goes back to the pool once none of its locks is held, so a set taken
+        # again after its release checks out a fresh one.
+        if self._lease is None or self._lease.returned:
+            self._lease = PooledLease(self.engine, self.backend)
+        return self._lease
 
 
 class SessionSite:

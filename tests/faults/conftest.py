@@ -16,6 +16,7 @@ from sqlalchemy.engine import URL
 from tests.faults.pgbouncer import PgBouncer, running_pgbouncer
 
 FAULTS_INJECTED: dict[str, int] = {}
+REPORT_LINES: list[str] = []
 
 
 def inject(kind: str) -> None:
@@ -23,7 +24,14 @@ def inject(kind: str) -> None:
     FAULTS_INJECTED[kind] = FAULTS_INJECTED.get(kind, 0) + 1
 
 
+def report(line: str) -> None:
+    """A line for the end-of-run summary (soak counts and the like)."""
+    REPORT_LINES.append(line)
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in REPORT_LINES:
+        terminalreporter.write_line(line)
     if FAULTS_INJECTED:
         details = ", ".join(f"{kind}: {n}" for kind, n in sorted(FAULTS_INJECTED.items()))
         terminalreporter.write_line(f"faults injected: {sum(FAULTS_INJECTED.values())} ({details})")

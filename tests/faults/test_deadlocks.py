@@ -242,3 +242,16 @@ async def test_async_lock_set_takes_and_releases_every_lock(
             assert not any(holder_pids(pg_admin, name) for name in names)
     finally:
         await engine.dispose()
+
+
+def test_lock_set_on_an_engine_holds_all_its_locks_on_one_connection(
+    make_engine: Callable[..., Engine], pg_admin: Admin
+) -> None:
+    names = [unique_name() for _ in range(3)]
+    engine = make_engine(pool_size=1, max_overflow=0, pool_timeout=5)
+    with advisory_lock_set(engine, names):
+        assert len({pid for name in names for pid in holder_pids(pg_admin, name)}) == 1
+    assert not any(holder_pids(pg_admin, name) for name in names)
+    # Its connection went back to the pool: the one-connection pool lends it again.
+    with advisory_lock_set(engine, names):
+        pass
