@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
@@ -24,6 +23,15 @@ from advisory_locks.keys import (
     LockName,
     derive_key,
 )
+from advisory_locks.monitoring import (
+    key_details,
+    key_document,
+    lock_document,
+    locks_table,
+    mysql_key_details,
+    mysql_key_document,
+    mysql_lock_name,
+)
 
 if TYPE_CHECKING:
     from advisory_locks.backends.base import LockedRow
@@ -34,9 +42,6 @@ PROGRAM = "advisory-locks"
 URL_ENVIRONMENT = ("ADVISORY_LOCKS_URL", "DATABASE_URL")
 USAGE_ERROR = 2
 CONNECT_TIMEOUT_SECONDS = 10
-# Without a terminal there is no width to fit; still keep one row per lock readable.
-UNFITTED_QUERY_CHARS = 200
-MIN_QUERY_CHARS = 20
 
 KEY_EPILOG = f"""\
 A NAME is always text, hashed by the key scheme: `key 42` is the key of the string "42".
@@ -160,39 +165,23 @@ def _run_key(arguments: argparse.Namespace, out: TextIO) -> int:
     if arguments.dialect == "mysql":
         return _print_mysql_name(key, arguments, out)
     if arguments.json:
-        json.dump(_key_document(key, scheme, prefix), out, ensure_ascii=False)
+        json.dump(key_document(key, scheme, prefix), out, ensure_ascii=False)
         out.write("\n")
         return 0
     out.write(" ".join(str(part) for part in key.ints) + "\n")
     if arguments.details or out.isatty():
-        out.write(_key_details(key, scheme, prefix))
+        out.write(key_details(key, scheme, prefix))
     return 0
 
 
 def _print_mysql_name(key: LockKey, arguments: argparse.Namespace, out: TextIO) -> int:
-    from advisory_locks.backends.mysql import server_lock_name
-
-    server_name = server_lock_name(key)
-    quoted = "'" + server_name.replace("\\", "\\\\").replace("'", "''") + "'"
     if arguments.json:
-        document = {
-            "name": list(key.name) if isinstance(key.name, tuple) else key.name,
-            "prefix": key.prefix or None,
-            "mysql_lock_name": server_name,
-            "lock_sql": f"SELECT GET_LOCK({quoted}, -1);",
-            "unlock_sql": f"SELECT RELEASE_LOCK({quoted});",
-        }
-        json.dump(document, out, ensure_ascii=False)
+        json.dump(mysql_key_document(key), out, ensure_ascii=False)
         out.write("\n")
         return 0
-    out.write(server_name + "\n")
+    out.write(mysql_lock_name(key) + "\n")
     if arguments.details or out.isatty():
-        out.write(
-            "\n-- in the mysql/mariadb client (MariaDB: a large timeout instead of -1):\n"
-            f"SELECT GET_LOCK({quoted}, -1);\n"
-            f"SELECT RELEASE_LOCK({quoted});\n"
-            f"SELECT IS_USED_LOCK({quoted});\n"
-        )
+        out.write(mysql_key_details(key))
     return 0
 
 
@@ -214,62 +203,6 @@ def _name_from(arguments: argparse.Namespace) -> LockName:
     return str(arguments.name)
 
 
-def _key_document(key: LockKey, scheme: str | None, prefix: str | None) -> dict[str, Any]:
-    classid, objid, objsubid = key.pg_locks_ids()
-    return {
-        "name": list(key.name) if isinstance(key.name, tuple) else key.name,
-        "scheme": scheme,
-        "prefix": prefix or None,
-        "key": list(key.ints) if len(key.ints) == 2 else key.ints[0],
-        "pg_locks": {"classid": classid, "objid": objid, "objsubid": objsubid},
-        "lock_sql": f"SELECT pg_advisory_lock({_sql_arguments(key)});",
-        "unlock_sql": f"SELECT pg_advisory_unlock({_sql_arguments(key)});",
-    }
-
-
-def _key_details(key: LockKey, scheme: str | None, prefix: str | None) -> str:
-    classid, objid, objsubid = key.pg_locks_ids()
-    arguments = _sql_arguments(key)
-    if isinstance(key.name, str):
-        described = f"{key.name!r} (text; scheme {scheme}, " + (
-            f"prefix {prefix!r})" if prefix else "no prefix)"
-        )
-    elif isinstance(key.name, tuple):
-        described = f"{key.name} (a pair: used as the key itself)"
-    else:
-        described = f"{key.name} (an integer: used as the key itself)"
-    kind = "two int4 keys" if len(key.ints) == 2 else "one bigint key"
-    lines = [
-        "",
-        f"name      {described}",
-        f"key       {arguments} ({kind})",
-        f"pg_locks  classid={classid} objid={objid} objsubid={objsubid}",
-    ]
-    if isinstance(key.name, str) and _looks_like_integer(key.name):
-        lines.append(f"note      hashed as text; use --int to make {key.name} the key itself")
-    lines += [
-        "",
-        "-- in psql:",
-        f"SELECT pg_advisory_lock({arguments});",
-        f"SELECT pg_advisory_unlock({arguments});",
-        "SELECT pid, mode, granted FROM pg_locks WHERE locktype = 'advisory'",
-        f"  AND classid = {classid} AND objid = {objid} AND objsubid = {objsubid};",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _sql_arguments(key: LockKey) -> str:
-    return ", ".join(str(part) for part in key.ints)
-
-
-def _looks_like_integer(text: str) -> bool:
-    try:
-        int(text)
-    except ValueError:
-        return False
-    return True
-
-
 # --- list ---------------------------------------------------------------------------------
 
 
@@ -283,10 +216,10 @@ def _run_list(arguments: argparse.Namespace, out: TextIO) -> int:
         )
     rows = _fetch_locks(url)
     if arguments.json:
-        json.dump([_row_document(row) for row in rows], out, ensure_ascii=False, indent=2)
+        json.dump([lock_document(row) for row in rows], out, ensure_ascii=False, indent=2)
         out.write("\n")
     else:
-        out.write(_table(rows, out))
+        out.write(locks_table(rows, out))
     return 0
 
 
@@ -346,93 +279,3 @@ def _first_line(error: BaseException) -> str:
     cause = getattr(error, "orig", None) or error
     text = str(cause).strip() or type(cause).__name__
     return " ".join(text.splitlines()[0].split())
-
-
-def _row_document(row: LockedRow) -> dict[str, Any]:
-    pg_locks = None
-    if not isinstance(row.key, str):
-        classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
-        pg_locks = {"classid": classid, "objid": objid, "objsubid": objsubid}
-    return {
-        "pid": row.pid,
-        "key": list(row.key) if isinstance(row.key, tuple) else row.key,
-        "pg_locks": pg_locks,
-        "mode": row.mode,
-        "granted": row.granted,
-        "waiting_seconds": row.waiting_seconds,
-        "held_at_most_seconds": row.held_at_most_seconds,
-        "application_name": row.application_name,
-        "client_addr": row.client_addr,
-        "state": row.state,
-        "query": row.query,
-    }
-
-
-def _table(rows: list[LockedRow], out: TextIO) -> str:
-    if not rows:
-        return "No advisory locks are held or awaited in this database.\n"
-    at_most = _at_most_sign(out)
-    header = ("PID", "STATUS", "MODE", "FOR", "KEY", "PG_LOCKS", "APPLICATION", "CLIENT", "STATE")
-    cells = [header]
-    for row in rows:
-        if isinstance(row.key, str):  # MySQL: the server knows the lock by this name
-            pg_locks = "-"
-        else:
-            classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
-            pg_locks = f"{classid}/{objid}/{objsubid}"
-        if row.granted:
-            status, duration = "held", _duration(row.held_at_most_seconds, at_most)
-        else:
-            status, duration = "waiting", _duration(row.waiting_seconds, "")
-        key = ",".join(map(str, row.key)) if isinstance(row.key, tuple) else str(row.key)
-        cells.append(
-            (
-                str(row.pid),
-                status,
-                row.mode,
-                duration,
-                key,
-                pg_locks,
-                row.application_name or "-",
-                row.client_addr or "local",
-                row.state or "-",
-            )
-        )
-    widths = [max(len(line[column]) for line in cells) for column in range(len(header))]
-    prefix_width = sum(widths) + 2 * len(widths)
-    if out.isatty():
-        room = max(MIN_QUERY_CHARS, shutil.get_terminal_size().columns - prefix_width)
-    else:
-        room = UNFITTED_QUERY_CHARS
-    queries = ["QUERY", *(_shorten(" ".join(row.query.split()), room) for row in rows)]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True))
-        + "  "
-        + query
-        for line, query in zip(cells, queries, strict=True)
-    ]
-    lines.append("")
-    if any(row.granted for row in rows):
-        lines.append(f"{at_most} held at most this long (since the holder's connection started)")
-    lines.append("QUERY is the connection's current statement, or its last one when STATE is idle")
-    return "\n".join(line.rstrip() for line in lines) + "\n"
-
-
-def _duration(seconds: float | None, qualifier: str) -> str:
-    if seconds is None:
-        return "?"
-    text = f"{seconds:.1f}s" if seconds < 600 else f"{seconds / 60:.0f}min"
-    return f"{qualifier} {text}" if qualifier else text
-
-
-def _at_most_sign(out: TextIO) -> str:
-    # Consoles with a legacy encoding cannot print the mathematical sign.
-    try:
-        "≤".encode(getattr(out, "encoding", None) or "ascii")
-    except (UnicodeEncodeError, LookupError):
-        return "<="
-    return "≤"
-
-
-def _shorten(text: str, room: int) -> str:
-    return text if len(text) <= room else text[: room - 3] + "..."

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Final
 from django.db import connections
 
 from advisory_locks.backends import Backend, backend_for_dialect
-from advisory_locks.backends.base import Executor
+from advisory_locks.backends.base import Executor, HoldsLocksClientSide
 from advisory_locks.errors import UnsupportedFeature
-from advisory_locks.executors import executor_for, protocol_session_id
+from advisory_locks.executors import STATE_INFO_KEY, executor_for, protocol_session_id
 from advisory_locks.registry import ConnectionLocks, Holding
 from advisory_locks_django import signals
 from advisory_locks_django.conf import SESSION_UNSAFE_POOLERS, lock_settings
@@ -49,7 +49,7 @@ __all__ = [
     "DjangoSite",
     "backend_for_alias",
     "connection_locks",
-    "known_names",
+    "held_keys",
     "observe_connection",
 ]
 
@@ -146,6 +146,11 @@ class DjangoConnectionLocks(ConnectionLocks):
 
     def connection_gone(self) -> None:
         """Django closed or replaced the DB-API connection; the server let go of all."""
+        backend: object = self.backend
+        if isinstance(backend, HoldsLocksClientSide):
+            # No server lets go of these (SQLite's file locks): let go of them now rather
+            # than when the garbage collector finds the old connection's state.
+            backend.connection_closed(self.driver_info.get(STATE_INFO_KEY, {}))
         for holding in [*self.holdings.values(), *self.pending_release]:
             self.released(holding, "connection_closed")
         self.pending_release.clear()
@@ -196,14 +201,14 @@ def release_pending(locks: DjangoConnectionLocks, executor: DjangoExecutor) -> N
         locks.released(holding, "unlock")
 
 
-def known_names(alias: str) -> dict[int | tuple[int, int], LockName]:
-    """Key -> name for every lock this process holds on ``alias``'s database."""
-    return {
-        holding.key.value: holding.key.name
+def held_keys(alias: str) -> list[LockKey]:
+    """The keys (with their names) of every lock this process holds on ``alias``'s database."""
+    return [
+        holding.key
         for locks in list(_registries)
         if locks.alias == alias
         for holding in list(locks.holdings.values())
-    }
+    ]
 
 
 class DjangoExecutor:

@@ -64,6 +64,39 @@ class Discovery:
         pytest.skip(f"no {self.kind.name} server answered:\n{tried}")
 
 
+MYSQLCLIENT_REQUIRE_VARIABLE = "ADVISORY_LOCKS_REQUIRE_MYSQLCLIENT"
+
+
+def import_mysqlclient(environ: Mapping[str, str]) -> Any:
+    """The mysqlclient driver module (``MySQLdb``), or fail/skip the calling test.
+
+    mysqlclient compiles against the MySQL/MariaDB client library, so it is optional
+    locally (skip, saying how to install it). It is required, and its absence fails the
+    test, when ``ADVISORY_LOCKS_REQUIRE_MYSQLCLIENT=1`` and MySQL is a required database,
+    as .ci/run sets them. PyMySQL registered as ``MySQLdb`` (tests/django_mysql_driver.py)
+    does not count.
+    """
+    try:
+        import MySQLdb as driver
+    except ImportError:
+        driver = None
+    if driver is not None and driver.__name__ == "MySQLdb":
+        return driver
+    requirement = required_by(MYSQL, environ)
+    if environ.get(MYSQLCLIENT_REQUIRE_VARIABLE) == "1" and requirement is not None:
+        pytest.fail(
+            f"mysqlclient is required ({MYSQLCLIENT_REQUIRE_VARIABLE}=1, {requirement}) but "
+            "not installed: install the client library (Debian: default-libmysqlclient-dev "
+            "pkg-config), then pip install mysqlclient",
+            pytrace=False,
+        )
+    pytest.skip(
+        "mysqlclient is optional and not installed; it needs the MySQL/MariaDB client "
+        "library to build (Debian: apt-get install default-libmysqlclient-dev pkg-config; "
+        "then pip install mysqlclient)"
+    )
+
+
 def psycopg_connect(url: URL, *, autocommit: bool = False) -> psycopg.Connection[TupleRow]:
     arguments: dict[str, Any] = url.translate_connect_args(username="user", database="dbname")
     arguments.update((key, value) for key, value in url.query.items() if isinstance(value, str))

@@ -1,22 +1,33 @@
 """Django settings for the Django app's tests (pytest-django loads them for every run).
 
-The databases point at the PostgreSQL server tests/databases.py finds; the
+The databases point at the servers tests/databases.py finds; the
 ``django_db_modify_db_settings`` fixture in tests/conftest.py fills in the discovered
-address before any test database is created. Test database names are unique per run, so
+addresses before any test database is created. Test database names are unique per run, so
 concurrent runs against one server never drop each other's databases.
+
+"default" and "other" are PostgreSQL. "mysql" (MariaDB) and "sqlite" are declared for the
+tests that ask for them with ``django_db(databases=[...])``: pytest-django creates a test
+database only for aliases some collected test asks for, so they cost the other tests
+nothing.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 import uuid
+from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from tests.databases import POSTGRESQL
+from tests.databases import MYSQL, POSTGRESQL
+from tests.django_mysql_driver import install_mysql_driver
 
 _url = make_url(os.environ.get(POSTGRESQL.environment_variable) or POSTGRESQL.local_default)
+_mysql_url = make_url(os.environ.get(MYSQL.environment_variable) or MYSQL.local_default)
 _run = f"{os.getpid()}_{uuid.uuid4().hex[:8]}"
+MYSQL_DRIVER = install_mysql_driver()
 
 
 def _database(test_name: str) -> dict[str, object]:
@@ -34,7 +45,30 @@ def _database(test_name: str) -> dict[str, object]:
 SECRET_KEY = "advisory-locks-tests"
 USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
-INSTALLED_APPS = ["advisory_locks_django", "tests.django_app"]
-# Two aliases on one server, as a multi-database project would have them.
-DATABASES = {"default": _database("default"), "other": _database("other")}
+# The example project's `shop` app is tested here too (tests/example); manage.py would put
+# its folder on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "example_project"))
+INSTALLED_APPS = ["advisory_locks_django", "tests.django_app", "shop"]
+# SQLite locks are files next to the database file; Django's default SQLite test database
+# is in memory, where they are refused, so the test database is a file too.
+_sqlite_file = str(Path(tempfile.gettempdir()) / f"advisory_locks_{_run}.sqlite3")
+# Two PostgreSQL aliases on one server, as a multi-database project would have them.
+DATABASES = {
+    "default": _database("default"),
+    "other": _database("other"),
+    "mysql": {
+        "ENGINE": "django.db.backends.mysql",
+        "HOST": _mysql_url.host or "",
+        "PORT": _mysql_url.port or "",
+        "USER": _mysql_url.username or "",
+        "PASSWORD": _mysql_url.password or "",
+        "NAME": _mysql_url.database or "test",
+        "TEST": {"NAME": f"advisory_locks_mysql_{_run}"},
+    },
+    "sqlite": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": _sqlite_file,
+        "TEST": {"NAME": _sqlite_file},
+    },
+}
 DATABASE_ROUTERS = ["tests.django_app.routers.LedgerRouter"]

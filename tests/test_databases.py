@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 
 import psycopg
@@ -13,12 +14,14 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from tests.databases import (
+    MYSQLCLIENT_REQUIRE_VARIABLE,
     POSTGRESQL,
     REQUIRE_VARIABLE,
     AdvisoryLockRow,
     PostgresDriver,
     advisory_locks_held,
     discover,
+    import_mysqlclient,
     required_by,
 )
 
@@ -121,3 +124,29 @@ def test_require_list_overrides_the_ci_default() -> None:
 def test_require_list_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="postgres"):
         required_by(POSTGRESQL, {REQUIRE_VARIABLE: "postgres"})
+
+
+def test_a_missing_mysqlclient_fails_when_ci_requires_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "MySQLdb", None)  # `import MySQLdb` raises ImportError
+    environ = {MYSQLCLIENT_REQUIRE_VARIABLE: "1", REQUIRE_VARIABLE: "mysql"}
+    with pytest.raises(pytest.fail.Exception, match="mysqlclient is required"):
+        import_mysqlclient(environ)
+
+
+def test_a_missing_mysqlclient_skips_with_install_hints_when_not_required(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "MySQLdb", None)
+    with pytest.raises(pytest.skip.Exception, match="default-libmysqlclient-dev"):
+        import_mysqlclient({REQUIRE_VARIABLE: "mysql"})
+
+
+def test_pymysql_standing_in_for_mysqlclient_does_not_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pymysql
+
+    monkeypatch.setitem(sys.modules, "MySQLdb", pymysql)  # what install_as_MySQLdb() does
+    environ = {MYSQLCLIENT_REQUIRE_VARIABLE: "1", REQUIRE_VARIABLE: "mysql"}
+    with pytest.raises(pytest.fail.Exception, match="mysqlclient is required"):
+        import_mysqlclient(environ)

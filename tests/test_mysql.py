@@ -3,7 +3,10 @@ drivers and monitoring. What every database shares is in tests/contract."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -16,9 +19,9 @@ from advisory_locks import LockDeadlock, LockLost, UnsupportedFeature, advisory_
 from advisory_locks.backends import backend_for_dialect
 from advisory_locks.backends.mysql import server_lock_name
 from advisory_locks.cli import main
-from advisory_locks.executors import executor_for
+from advisory_locks.executors import executor_for, protocol_session_id
 from advisory_locks.keys import derive_key
-from tests.databases import pymysql_connect
+from tests.databases import import_mysqlclient, pymysql_connect
 from tests.helpers import unique_name, wait_for
 
 
@@ -149,7 +152,7 @@ def test_a_busy_lock_inside_a_transaction_leaves_the_transaction_usable(
 
 
 def test_mysqlclient_takes_and_releases_locks(mysql_url: URL) -> None:
-    pytest.importorskip("MySQLdb", reason="mysqlclient is optional: pip install mysqlclient")
+    import_mysqlclient(os.environ)
     engine = create_engine(mysql_url.set(drivername="mysql+mysqldb"))
     name = unique_name("mysqlclient")
     try:
@@ -191,3 +194,98 @@ def test_list_locks_shows_the_held_lock_or_says_how_to_expose_locks(
 def test_cli_key_prints_the_mysql_lock_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["key", "Job", "--dialect", "mysql"]) == 0
     assert capsys.readouterr().out == server_lock_name(derive_key("Job")) + "\n"
+
+
+# -- proxies: the connection id the driver was told at connect ------------------------------
+
+
+@pytest.mark.parametrize("driver", ["pymysql", "mysqldb"])
+def test_the_driver_reports_the_connection_id_its_statements_run_in(
+    mysql_url: URL, driver: str
+) -> None:
+    if driver == "mysqldb":
+        import_mysqlclient(os.environ)
+    engine = create_engine(mysql_url.set(drivername=f"mysql+{driver}"))
+    try:
+        with engine.connect() as connection:
+            told = protocol_session_id(connection.connection.driver_connection)
+            assert told == connection.execute(text("SELECT CONNECTION_ID()")).scalar_one()
+    finally:
+        engine.dispose()
+
+
+class HandshakeRewritingProxy:
+    """A TCP proxy to the server that, like a pooler (ProxySQL, ...), greets clients with a
+    connection id of its own while their statements run in the server's session."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(self.upstream)
+            self.sockets += [client, upstream]
+            greeting = _read_packet(upstream)
+            # Handshake v10: protocol byte, NUL-terminated server version, then the
+            # connection id as 4 little-endian bytes.
+            id_at = greeting.index(0, 5) + 1
+            made_up = (int.from_bytes(greeting[id_at : id_at + 4], "little") + 1_000_000) % 2**32
+            greeting[id_at : id_at + 4] = made_up.to_bytes(4, "little")
+            client.sendall(greeting)
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+
+    def close(self) -> None:
+        self.listener.close()
+        for open_socket in self.sockets:
+            open_socket.close()
+
+
+def _read_packet(source: socket.socket) -> bytearray:
+    header = source.recv(4, socket.MSG_WAITALL)
+    length = int.from_bytes(header[:3], "little")
+    return bytearray(header + source.recv(length, socket.MSG_WAITALL))
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
+@pytest.fixture
+def proxied_mysql_engine(mysql_url: URL) -> Iterator[Engine]:
+    proxy = HandshakeRewritingProxy(mysql_url.host or "127.0.0.1", mysql_url.port or 3306)
+    engine = create_engine(mysql_url.set(host="127.0.0.1", port=proxy.port))
+    yield engine
+    engine.dispose()
+    proxy.close()
+
+
+def test_a_session_lock_through_a_proxy_is_refused(proxied_mysql_engine: Engine) -> None:
+    with (
+        proxied_mysql_engine.connect() as connection,
+        pytest.raises(UnsupportedFeature, match="pooler or proxy"),
+    ):
+        advisory_lock(connection, unique_name("proxied")).acquire()
+
+
+def test_a_session_lock_through_a_proxy_declared_session_pinning_is_taken(
+    proxied_mysql_engine: Engine,
+) -> None:
+    engine = proxied_mysql_engine.execution_options(advisory_locks_pooler="session")
+    with engine.connect() as connection, advisory_lock(connection, unique_name("pinned")) as lock:
+        assert lock.held

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from advisory_locks.keys import LockKey
 
@@ -100,6 +100,15 @@ class Backend(Protocol):
 
     def is_failed_transaction(self, error: BaseException) -> bool:
         """Whether ``error`` means the caller's transaction failed and awaits rollback."""
+
+
+@runtime_checkable
+class HoldsLocksClientSide(Protocol):
+    """A backend whose locks are held by this process rather than by a server (SQLite)."""
+
+    def connection_closed(self, state: dict[str, Any]) -> None:
+        """The DB-API connection whose executor ``state`` this is has closed: let go of
+        every lock held for it, as a server lets go of a closed session's locks."""
 
 
 def validate_flags(*, shared: object, transaction: object) -> None:

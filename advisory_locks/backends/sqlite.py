@@ -20,10 +20,11 @@ polls a non-blocking attempt, at most every 10 ms, until ``t`` has passed.
 from __future__ import annotations
 
 import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, Any, Final
 
 import portalocker
 
@@ -102,10 +103,21 @@ class SQLiteBackend:
             portalocker.unlock(handle)
         finally:
             handle.close()  # closing frees the lock even if the unlock failed
+        # The locks end with their connection, as a server's do; a binding that learns of a
+        # close only later (Django has no signal for it) still has the files open. One
+        # statement tells a closed connection (is_connection_failure: LockLost) apart.
+        executor.fetch_value("SELECT 1", ())
         return True
 
     def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
         return (key.ints, shared) in _open_files(executor)
+
+    def connection_closed(self, state: dict[str, Any]) -> None:
+        # Closing a file frees its OS lock; a binding calls this when it sees the SQLite
+        # connection gone, so the locks do not wait for the garbage collector.
+        files: dict[object, IO[bytes]] = state.pop(FILES_STATE, {})
+        for handle in files.values():
+            handle.close()
 
     def inspect_server(self, executor: Executor) -> int:
         # No server: the locks belong to this process.
@@ -118,6 +130,13 @@ class SQLiteBackend:
         )
 
     def is_connection_failure(self, error: BaseException) -> bool:
+        # sqlite3 raises ProgrammingError on a closed connection; ORMs wrap it (SQLAlchemy
+        # in .orig, Django as the __cause__ of its own ProgrammingError).
+        seen: BaseException | None = error
+        for _ in range(3):
+            if isinstance(seen, sqlite3.ProgrammingError) and "closed" in str(seen):
+                return True
+            seen = getattr(seen, "orig", None) or getattr(seen, "__cause__", None)
         return False
 
     def is_failed_transaction(self, error: BaseException) -> bool:

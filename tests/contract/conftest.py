@@ -2,8 +2,9 @@
 
 Every test in tests/contract takes a ``target``: one database reached through one ORM
 binding. Databases: PostgreSQL and MariaDB (the servers of tests/databases.py) and
-SQLite (a file in the test's temporary directory). Bindings: SQLAlchemy. The Django
-binding joins by adding one entry to ``BINDINGS`` and a ``Client`` for it.
+SQLite (a file in the test's temporary directory, or the Django alias's file). Bindings:
+SQLAlchemy (a Session per client) and Django (a thread per client, since Django gives
+each thread its own connection to an alias).
 
 A test sees the database only through the target: ``target.client()`` gives a client on
 its own connection, ``target.waiting(name)`` says whether the server (or, for SQLite, the
@@ -14,10 +15,13 @@ starts another process that takes the lock and keeps it until it is killed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,10 +36,17 @@ from advisory_locks.backends.mysql import server_lock_name
 from advisory_locks.backends.sqlite import lock_file_path
 from advisory_locks.keys import derive_key
 from tests.databases import pymysql_connect
+from tests.django_aliases import aim_django_alias
 from tests.helpers import lock_rows
 
 DATABASES = ("postgresql", "mariadb", "sqlite")
-BINDINGS = ("sqlalchemy",)
+BINDINGS = ("sqlalchemy", "django")
+# The aliases of tests/django_settings.py the Django binding locks on.
+DJANGO_ALIASES = {"postgresql": "default", "mariadb": "mysql", "sqlite": "sqlite"}
+CLIENT_THREAD_PREFIX = "contract-django-client"
+# A call into a client's thread that takes longer has hung (test_contract's own timeout
+# is 60 s; this one names the stuck call).
+CALL_TIMEOUT_SECONDS = 50
 
 # What each database refuses with UnsupportedFeature (everything else it must honour).
 REFUSES: dict[str, frozenset[str]] = {
@@ -51,6 +62,24 @@ from sqlalchemy import create_engine
 from advisory_locks import advisory_lock
 engine = create_engine(sys.argv[1])
 with engine.connect() as connection, advisory_lock(connection, sys.argv[2]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+# The Django holder runs on PyMySQL even where the tests' own process has mysqlclient, so
+# the contract covers Django on both MySQL drivers.
+DJANGO_HOLDER_SCRIPT = """
+import json
+import sys
+import django
+from django.conf import settings
+from tests.django_mysql_driver import install_mysql_driver
+install_mysql_driver(force_pymysql=True)
+settings.configure(
+    DATABASES={"default": json.loads(sys.argv[1])}, INSTALLED_APPS=["advisory_locks_django"]
+)
+django.setup()
+from advisory_locks_django import advisory_lock
+with advisory_lock(sys.argv[2]):
     print("held", flush=True)
     sys.stdin.read()
 """
@@ -75,6 +104,67 @@ class Client:
         self.session.close()
 
 
+class DjangoClient:
+    """A thread of its own, so a connection of its own to ``alias``, the way each request
+    or worker thread of a Django application has one; every call runs in that thread."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=CLIENT_THREAD_PREFIX)
+
+    def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        return self._thread.submit(function, *args).result(timeout=CALL_TIMEOUT_SECONDS)
+
+    def lock(self, name: object, **options: Any) -> LockInThread:
+        from advisory_locks_django import advisory_lock as django_advisory_lock
+
+        lock = self.run(lambda: django_advisory_lock(name, using=self.alias, **options))  # type: ignore[arg-type]
+        return LockInThread(self, lock)
+
+    def commit(self) -> None:
+        self.run(self._transaction, False)
+
+    def rollback(self) -> None:
+        self.run(self._transaction, True)
+
+    def _transaction(self, roll_back: bool) -> None:
+        from django.db import connections, transaction
+
+        with transaction.atomic(using=self.alias):
+            with connections[self.alias].cursor() as cursor:
+                cursor.execute("SELECT 1")
+            transaction.set_rollback(roll_back, using=self.alias)
+
+    def close(self) -> None:
+        from django.db import connections
+
+        try:
+            self.run(connections.close_all)
+        finally:
+            self._thread.shutdown(wait=True)
+
+
+class LockInThread:
+    """A Django lock whose every operation runs in its client's thread."""
+
+    def __init__(self, client: DjangoClient, lock: Any) -> None:
+        self._client = client
+        self._lock = lock
+
+    def acquire(self) -> bool:
+        return bool(self._client.run(self._lock.acquire))
+
+    def release(self) -> None:
+        self._client.run(self._lock.release)
+
+    def __enter__(self) -> LockInThread:
+        self._client.run(self._lock.__enter__)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._client.run(self._lock.__exit__, *exc_info)
+
+
 @dataclass
 class Target:
     database: str
@@ -82,6 +172,9 @@ class Target:
     url: URL
     refuses: frozenset[str]
     waiting: Callable[[str], bool]
+    # The Django binding's alias and its settings (the databases the holder connects to).
+    django_alias: str | None = None
+    django_database: dict[str, Any] | None = None
     engines: list[Engine] = field(default_factory=list)
     statements: list[str] = field(default_factory=list)
 
@@ -96,8 +189,12 @@ class Target:
         return engine
 
     @contextlib.contextmanager
-    def client(self) -> Iterator[Client]:
-        client = Client(self.engine())
+    def client(self) -> Iterator[Client | DjangoClient]:
+        client: Client | DjangoClient
+        if self.django_alias is not None:
+            client = DjangoClient(self.django_alias)
+        else:
+            client = Client(self.engine())
         try:
             yield client
         finally:
@@ -112,10 +209,21 @@ class Target:
             lock.release()
             return True
 
+    def django_connected(self, sender: Any, connection: Any, **kwargs: Any) -> None:
+        """connection_created receiver: count the clients' connects, not the test's own."""
+        if connection.alias == self.django_alias and threading.current_thread().name.startswith(
+            CLIENT_THREAD_PREFIX
+        ):
+            self.statements.append("<connect>")
+
     @contextlib.contextmanager
     def hold_in_process(self, name: str) -> Iterator[subprocess.Popen[str]]:
+        if self.django_database is not None:
+            command = [DJANGO_HOLDER_SCRIPT, json.dumps(self.django_database), name]
+        else:
+            command = [HOLDER_SCRIPT, self.url.render_as_string(False), name]
         holder = subprocess.Popen(
-            [sys.executable, "-c", HOLDER_SCRIPT, self.url.render_as_string(False), name],
+            [sys.executable, "-c", *command],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -176,21 +284,46 @@ def _sqlite_waiting(database: Path) -> Callable[[str], bool]:
     return waiting
 
 
-@pytest.fixture(params=[(d, b) for d in DATABASES for b in BINDINGS], ids="-".join)
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
-    database, binding = request.param
+def _database_url(request: pytest.FixtureRequest, database: str, tmp_path: Path) -> URL:
     if database == "postgresql":
-        url = request.getfixturevalue("postgres_url")
-        waiting = _postgres_waiting(url)
+        url: URL = request.getfixturevalue("postgres_url")
     elif database == "mariadb":
         url = request.getfixturevalue("mysql_url")
-        waiting = _mysql_waiting(url)
     else:
         if not sys.platform.startswith("linux"):
             pytest.skip("observing SQLite file-lock waiters needs Linux's /proc/locks")
-        path = tmp_path / "contract.sqlite"
-        url = make_url(f"sqlite:///{path}")
-        waiting = _sqlite_waiting(path)
-    result = Target(database, binding, url, REFUSES[database], waiting)
-    yield result
-    result.dispose()
+        url = make_url(f"sqlite:///{tmp_path / 'contract.sqlite'}")
+    return url
+
+
+@pytest.fixture(params=[(d, b) for d in DATABASES for b in BINDINGS], ids="-".join)
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    database, binding = request.param
+    url = _database_url(request, database, tmp_path)
+    alias = django_database = None
+    with contextlib.ExitStack() as stack:
+        if binding == "django":
+            from django.db.backends.signals import connection_created
+
+            # pytest-django blocks database access outside its own fixtures; these tests
+            # need no test database (see tests/django_aliases.py).
+            stack.enter_context(request.getfixturevalue("django_db_blocker").unblock())
+            alias = DJANGO_ALIASES[database]
+            django_database = aim_django_alias(alias, url, tmp_path / "contract-django.sqlite")
+            if database == "sqlite":
+                url = make_url(f"sqlite:///{django_database['NAME']}")
+            else:
+                url = url.set(database=django_database["NAME"])
+        if database == "postgresql":
+            waiting = _postgres_waiting(url)
+        elif database == "mariadb":
+            waiting = _mysql_waiting(url)
+        else:
+            assert url.database is not None
+            waiting = _sqlite_waiting(Path(url.database))
+        result = Target(database, binding, url, REFUSES[database], waiting, alias, django_database)
+        if binding == "django":
+            connection_created.connect(result.django_connected)
+            stack.callback(connection_created.disconnect, result.django_connected)
+        yield result
+        result.dispose()

@@ -140,6 +140,14 @@ def test_integer_and_pair_names_lock(target: Target) -> None:
         assert not target.is_free((91827, 3645))  # type: ignore[arg-type]
 
 
+def test_the_first_lock_is_what_connects(target: Target) -> None:
+    # The "before connecting" specs below rely on the target seeing every connect.
+    with target.client() as client:
+        assert target.statements == []
+        with client.lock(unique_name("connects")):
+            assert target.statements == ["<connect>"]
+
+
 @pytest.mark.parametrize(
     ("name", "error"),
     [("", ValueError), (b"bytes", TypeError), (2**63, ValueError), ((1,), TypeError)],

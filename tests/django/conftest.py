@@ -22,6 +22,8 @@ def django_db_modify_db_settings(
     from django.conf import settings
 
     for database in settings.DATABASES.values():
+        if database["ENGINE"] != "django.db.backends.postgresql":
+            continue  # the MySQL and SQLite aliases are aimed by the tests that use them
         database.update(
             HOST=postgres_url.host or "",
             PORT=postgres_url.port or "",

@@ -1,8 +1,11 @@
 """``manage.py advisory_locks list|key``: the ``advisory-locks`` command, on Django's databases.
 
-The listing and its table are the core CLI's (the backend's ``list_locks`` and the same
-formatting); this command adds the names this process can tell: those of locks it holds
-itself, and any ``--name`` given, hashed with the project's key scheme and prefix.
+The listing and its table are the core CLI's (the backend's ``list_locks`` and
+:mod:`advisory_locks.monitoring`); this command adds the names this process can tell:
+those of locks it holds itself, and any ``--name`` given, hashed with the project's key
+scheme and prefix. ``key`` shows what the database behind ``--database`` sees: integer
+keys on PostgreSQL (and SQLite, whose lock files are named by them), the ``GET_LOCK``
+name on MySQL and MariaDB.
 """
 
 from __future__ import annotations
@@ -14,11 +17,21 @@ from typing import Any, TextIO, cast
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from advisory_locks.cli import _key_details, _key_document, _row_document, _table
 from advisory_locks.errors import AdvisoryLockError
-from advisory_locks.keys import KEY_SCHEMES, LockName, derive_key
-from advisory_locks_django.binding import DjangoExecutor, backend_for_alias, known_names
+from advisory_locks.keys import KEY_SCHEMES, LockKey, LockName, derive_key
+from advisory_locks.monitoring import (
+    key_details,
+    key_document,
+    lock_document,
+    locks_table,
+    mysql_key_details,
+    mysql_key_document,
+    mysql_lock_name,
+)
+from advisory_locks_django.binding import DjangoExecutor, backend_for_alias, held_keys
 from advisory_locks_django.conf import lock_settings
+
+DIALECTS = ("postgresql", "mysql")
 
 
 class Command(BaseCommand):
@@ -40,6 +53,17 @@ class Command(BaseCommand):
         key.add_argument("name", metavar="NAME")
         key.add_argument("--scheme", choices=KEY_SCHEMES, help="default: the KEY_SCHEME setting")
         key.add_argument("--prefix", help="default: the KEY_PREFIX setting")
+        key.add_argument(
+            "--database",
+            default=DEFAULT_DB_ALIAS,
+            help="show the key as this alias's database sees it (default: %(default)s)",
+        )
+        key.add_argument(
+            "--dialect",
+            choices=DIALECTS,
+            help="show the key as this kind of database sees it, whatever --database is: "
+            "PostgreSQL's integer key(s), or the GET_LOCK name on MySQL/MariaDB",
+        )
         key.add_argument("--json", action="store_true", help="print one JSON object")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -56,12 +80,19 @@ class Command(BaseCommand):
         scheme = options["scheme"] or configured.key_scheme
         prefix = options["prefix"] if options["prefix"] is not None else configured.key_prefix
         key = derive_key(options["name"], scheme=scheme, prefix=prefix)
+        if (options["dialect"] or _dialect(options["database"])) == "mysql":
+            if options["json"]:
+                self.stdout.write(json.dumps(mysql_key_document(key), ensure_ascii=False))
+            else:
+                self.stdout.write(mysql_lock_name(key))
+                self.stdout.write(mysql_key_details(key), ending="")
+            return
         shown_prefix = None if prefix is None else str(prefix)
         if options["json"]:
-            self.stdout.write(json.dumps(_key_document(key, scheme, shown_prefix)))
+            self.stdout.write(json.dumps(key_document(key, scheme, shown_prefix)))
         else:
             self.stdout.write(" ".join(str(part) for part in key.ints))
-            self.stdout.write(_key_details(key, scheme or "default", shown_prefix), ending="")
+            self.stdout.write(key_details(key, scheme or "default", shown_prefix), ending="")
 
     def _list(self, options: dict[str, Any]) -> None:
         alias = options["database"]
@@ -70,17 +101,21 @@ class Command(BaseCommand):
         backend = backend_for_alias(alias)
         wrapper = connections[alias]
         wrapper.ensure_connection()
-        # Listing holds nothing client-side, so a throwaway state dict is enough.
-        rows = backend.list_locks(DjangoExecutor(wrapper, wrapper.connection, {}))
+        try:
+            # Listing holds nothing client-side, so a throwaway state dict is enough.
+            rows = backend.list_locks(DjangoExecutor(wrapper, wrapper.connection, {}))
+        except AdvisoryLockError as error:
+            # Worded as the core CLI words it, with the alias in place of the URL.
+            raise CommandError(f"cannot list locks on database {alias!r}: {error}") from error
         names = self._names(alias, options["name"])
         if options["json"]:
             documents = [
-                {**_row_document(row), "name": _json_name(names.get(row.key))} for row in rows
+                {**lock_document(row), "name": _json_name(names.get(row.key))} for row in rows
             ]
             self.stdout.write(json.dumps(documents, ensure_ascii=False, indent=2))
             return
         # The table fits the terminal when stdout is one (OutputWrapper passes isatty on).
-        self.stdout.write(_table(rows, cast(TextIO, self.stdout)), ending="")
+        self.stdout.write(locks_table(rows, cast(TextIO, self.stdout)), ending="")
         recognised = {row.key: names[row.key] for row in rows if row.key in names}
         if recognised:
             self.stdout.write("\nNames of the keys above that this process can tell:")
@@ -89,15 +124,25 @@ class Command(BaseCommand):
                 self.stdout.write(f"  {shown}  {name!r}")
 
     def _names(self, alias: str, given: list[str]) -> dict[Any, LockName]:
+        """What each key in the listing stands for, where this process can tell."""
         configured = lock_settings()
-        names: dict[Any, LockName] = {
-            derive_key(name, scheme=configured.key_scheme, prefix=configured.key_prefix).value: (
-                name
-            )
+        keys = [
+            derive_key(name, scheme=configured.key_scheme, prefix=configured.key_prefix)
             for name in given
-        }
-        names.update(known_names(alias))
-        return names
+        ]
+        # MySQL lists a lock by its GET_LOCK name, PostgreSQL by its integer key(s).
+        listed_as = mysql_lock_name if _dialect(alias) == "mysql" else _integer_key
+        return {listed_as(key): key.name for key in [*keys, *held_keys(alias)]}
+
+
+def _dialect(alias: str) -> str:
+    if alias not in connections:
+        raise CommandError(f"unknown database alias {alias!r}")
+    return backend_for_alias(alias).dialect_name
+
+
+def _integer_key(key: LockKey) -> int | tuple[int, int]:
+    return key.value
 
 
 def _json_name(name: LockName | None) -> object:
