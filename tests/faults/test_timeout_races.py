@@ -60,7 +60,7 @@ def test_timed_out_session_lock_wait_never_leaves_the_lock_held(
                         left_held.append(round_number)
                         executor.fetch_value("SELECT pg_advisory_unlock(%s)", key.ints)
                     # The raw check opened a transaction the Connection does not know of.
-                    raw.dbapi_connection.commit()
+                    raw.dbapi_connection.commit()  # type: ignore[union-attr]
         except BaseException as error:  # reported by the main thread
             errors.append(error)
 
