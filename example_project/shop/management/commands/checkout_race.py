@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from django.conf import settings
 from django.core.handlers.wsgi import WSGIHandler
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from django.core.servers.basehttp import ThreadedWSGIServer, WSGIRequestHandler
 from django.db import connection
 from django.test.utils import override_settings
@@ -43,7 +43,7 @@ WIDTH = 88
 HELP = f"""Run concurrent buyers against one product, first WITHOUT the checkout lock,
 then WITH it, and print what each run sold.
 
-{CONCURRENCY_MODEL}
+{textwrap.fill(CONCURRENCY_MODEL, 80)}
 
 The database is DATABASE_URL / --database-url (PostgreSQL or MySQL/MariaDB), or
 shop.sqlite3 next to manage.py; it is migrated first. Progress goes to stderr; --json
@@ -146,6 +146,13 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["database_url"] is not None:
+            # manage.py takes the option out before Django starts; seeing it here means
+            # the command was started some other way, too late to change the database.
+            raise CommandError(
+                "--database-url only works through example_project/manage.py; with "
+                "django-admin, set DATABASE_URL instead"
+            )
         buyers, stock, rounds = options["buyers"], options["stock"], options["rounds"]
         latency = options["payment_latency"]
         if latency is None:
