@@ -24,6 +24,11 @@ def django_db_modify_db_settings(
     for database in settings.DATABASES.values():
         if database["ENGINE"] != "django.db.backends.postgresql":
             continue  # the MySQL and SQLite aliases are aimed by the tests that use them
+        if database["NAME"] == database.get("TEST", {}).get("NAME"):
+            # The test database exists already (a second conftest re-uses this fixture,
+            # so it can run after setup): renaming it back would make pytest-django's
+            # teardown drop the server's own database instead.
+            continue
         database.update(
             HOST=postgres_url.host or "",
             PORT=postgres_url.port or "",
