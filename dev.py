@@ -5,6 +5,7 @@
     python3 dev.py lint                    install .[dev], run ruff and mypy
     python3 dev.py demo [args...]          install .[demo], run example_project's checkout race
     python3 dev.py docs [args...]          install .[docs], build the docs strictly into site/
+    python3 dev.py bench [args...]         install .[benchmark], run python -m benchmarks.run
 
 The virtualenv lives in .venv. Each set of extras is reinstalled when pyproject.toml is
 newer than the stamp file its last install left behind; an existing .venv is never
@@ -79,7 +80,12 @@ def docs(mkdocs_args: list[str]) -> int:
     return run(PYTHON, "-m", "mkdocs", "build", "--strict", "--site-dir", "site", *mkdocs_args)
 
 
-COMMANDS = {"test": test, "lint": lint, "demo": demo, "docs": docs}
+def bench(bench_args: list[str]) -> int:
+    ensure_installed("benchmark")
+    return run(PYTHON, "-m", "benchmarks.run", *bench_args)
+
+
+COMMANDS = {"test": test, "lint": lint, "demo": demo, "docs": docs, "bench": bench}
 
 
 def main() -> int:

@@ -1,224 +1,165 @@
 """Handoff latency: how long after a holder lets go does a blocked waiter run?
 
-Per trial: the holder takes the lock; a waiter thread on its own connection starts to
-wait; the holder confirms the waiter is really waiting (in ``pg_locks`` for a server-side
-wait, by an event for client polling); then t0 = ``perf_counter()`` right before the
-holder's release call, and t1 = ``perf_counter()`` right after the waiter's acquire
-returns. Latency = t1 - t0, so it includes the holder's release round trip, the server
-waking the waiter, and the waiter's driver and library returning.
+The waiter is a separate PROCESS (one per variant, kept for the whole run), as it is in
+production: a waiter thread in the holder's process would share its GIL, and the
+scheduler's choice of which thread runs first would show up as latency.
 
-Both sides live in one process, so the GIL is shared; psycopg releases it while it waits
-on the socket, and raw and ours pay the same tax.
+Per trial: the holder (this process) takes the lock; it tells the waiter to take it; it
+confirms the waiter is really waiting (queued in ``pg_locks`` for a server-side wait, an
+event for client polling); then t0 = CLOCK_MONOTONIC right before the holder's release
+call, and t1 = CLOCK_MONOTONIC in the waiter right after its acquire returns. Latency =
+t1 - t0: the holder's release round trip, the server waking the waiter, and the waiter's
+driver and library returning. CLOCK_MONOTONIC is one clock for all processes of a host.
 """
 
 from __future__ import annotations
 
-import random
-import threading
+import multiprocessing
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event
+from typing import Any
 
 import psycopg
 from psycopg.rows import TupleRow
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, make_url
 
-from advisory_locks.keys import derive_key
-from advisory_locks.sqlalchemy import advisory_lock
-from benchmarks.postgres import TrackedEngine, raw_connection
+from benchmarks.clients import CLIENTS, Client, make_client
+from benchmarks.postgres import raw_connection
 
-__all__ = ["HandoffRun", "HandoffVariant", "handoff_variants", "run_handoffs"]
+__all__ = ["HANDOFF_VARIANTS", "HandoffRun", "run_handoffs"]
 
-# Take the lock and return the function that gives it back.
-Take = Callable[[], Callable[[], None]]
-
-RAW_KEY = 7_246_100
 WAIT_CONFIRM_SECONDS = 10.0
 TRIAL_SECONDS = 60.0
-POLL_MIN_SECONDS = 0.05
-POLL_MAX_SECONDS = 0.15
+START_SECONDS = 60.0
+
+# (case name, client kind); the first is the reference the ratios are taken against.
+HANDOFF_VARIANTS = [
+    ("raw.handoff", "raw"),
+    ("raw.handoff.timeout", "raw.timeout"),
+    ("ours.handoff", "ours.engine"),
+    ("ours.handoff.timeout", "ours.engine.timeout"),
+    ("ours.django.handoff.timeout", "ours.django.timeout"),
+    ("pglock.handoff.timeout", "pglock.timeout"),
+    ("pals.handoff.timeout", "pals.timeout"),
+    ("raw.handoff.client_polling", "raw.client_polling"),
+]
+SLOW_KINDS = {"raw.client_polling"}
 
 
-@dataclass
-class HandoffVariant:
-    name: str
-    description: str
-    take_holder: Take
-    take_waiter: Take
-    # None: the waiter waits in the server, seen in pg_locks under this key.
-    is_waiting: Callable[[], bool] | None = None
-    reference: bool = False
-    # Fewer trials for variants whose every trial costs tens of milliseconds.
-    slow: bool = False
-    key_name: object = None
+def _clock() -> int:
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def _waiter_process(kind: str, name: str, url: str, pipe: Connection, busy: Event) -> None:
+    with ExitStack() as stack:
+        try:
+            client = make_client(kind, name, make_url(url), stack, on_busy=busy.set)
+        except BaseException as error:
+            pipe.send(("error", repr(error)))
+            return
+        pipe.send(("ready", 0))
+        while pipe.recv() == "go":
+            try:
+                release = client.take()
+                acquired_at = _clock()
+                release()
+            except BaseException as error:
+                pipe.send(("error", repr(error)))
+                return
+            pipe.send(("acquired", acquired_at))
 
 
 @dataclass
 class HandoffRun:
-    """One variant's waiter thread, kept alive across rounds; each trial is one handoff."""
+    """One variant: its holder here, its waiter process, and the latencies so far."""
 
-    variant: HandoffVariant
+    name: str
+    kind: str
+    holder: Client
     admin: psycopg.Cursor[TupleRow]
+    process: Any
+    pipe: Connection
+    busy: Event
     latencies: list[float] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self._go = threading.Event()
-        self._done = threading.Event()
-        self._stop = False
-        self._acquired_at = 0.0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._wait_loop, name=self.variant.name, daemon=True)
-        self._thread.start()
-        if self.variant.is_waiting is None:
-            self._waiting = self._waits_in_server(derive_key(self.variant.key_name).pg_locks_ids())
-        else:
-            self._waiting = self.variant.is_waiting
+    @property
+    def slow(self) -> bool:
+        return self.kind in SLOW_KINDS
 
     def trial(self) -> None:
-        release = self.variant.take_holder()
-        self._done.clear()
-        self._go.set()
+        release = self.holder.take()
+        self.busy.clear()
+        self.pipe.send("go")
         deadline = time.monotonic() + WAIT_CONFIRM_SECONDS
         while not self._waiting():
-            if self._done.is_set() or time.monotonic() > deadline:
+            if self.pipe.poll() or time.monotonic() > deadline:
                 release()
-                raise RuntimeError(f"{self.variant.name}: the waiter never started waiting")
+                raise RuntimeError(f"{self.name}: the waiter never started waiting")
             time.sleep(0.0002)
-        released_at = time.perf_counter()
+        released_at = _clock()
         release()
-        if not self._done.wait(TRIAL_SECONDS):
-            raise RuntimeError(f"{self.variant.name}: the waiter never got the lock")
-        if self._error is not None:
-            raise self._error
-        self.latencies.append(self._acquired_at - released_at)
+        if not self.pipe.poll(TRIAL_SECONDS):
+            raise RuntimeError(f"{self.name}: the waiter never got the lock")
+        what, value = self.pipe.recv()
+        if what != "acquired":
+            raise RuntimeError(f"{self.name}: the waiter failed: {value}")
+        self.latencies.append((value - released_at) / 1e9)
+
+    def _waiting(self) -> bool:
+        if self.holder.polls:
+            return self.busy.is_set()
+        self.admin.execute(
+            "SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory' "
+            "AND NOT granted AND classid::int8 = %s AND objid::int8 = %s AND objsubid = %s",
+            self.holder.pg_ids,
+        )
+        row = self.admin.fetchone()
+        return row is not None and row[0] > 0
 
     def close(self) -> None:
-        self._stop = True
-        self._go.set()
-        self._thread.join(TRIAL_SECONDS)
-
-    def _wait_loop(self) -> None:
-        while True:
-            self._go.wait()
-            self._go.clear()
-            if self._stop:
-                return
-            try:
-                release = self.variant.take_waiter()
-                self._acquired_at = time.perf_counter()
-                release()
-            except BaseException as error:
-                self._error = error
-            self._done.set()
-
-    def _waits_in_server(self, ids: tuple[int, int, int]) -> Callable[[], bool]:
-        def waiting() -> bool:
-            self.admin.execute(
-                "SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory' "
-                "AND NOT granted AND classid::int8 = %s AND objid::int8 = %s "
-                "AND objsubid = %s",
-                ids,
-            )
-            row = self.admin.fetchone()
-            return row is not None and row[0] > 0
-
-        return waiting
+        with suppress(OSError):
+            self.pipe.send("stop")
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
 
 
-def _raw_take(connection: psycopg.Connection[TupleRow], key: int) -> Take:
-    cursor = connection.cursor()
-
-    def release() -> None:
-        cursor.execute("SELECT pg_advisory_unlock(%s)", (key,))
-
-    def take() -> Callable[[], None]:
-        cursor.execute("SELECT pg_advisory_lock(%s)", (key,))
-        return release
-
-    return take
-
-
-def _polling_take(
-    connection: psycopg.Connection[TupleRow], key: int, waiting: threading.Event
-) -> Take:
-    cursor = connection.cursor()
-    chance = random.Random(key)
-
-    def release() -> None:
-        cursor.execute("SELECT pg_advisory_unlock(%s)", (key,))
-
-    def take() -> Callable[[], None]:
-        while True:
-            cursor.execute("SELECT pg_try_advisory_lock(%s)", (key,))
-            row = cursor.fetchone()
-            if row is not None and row[0]:
-                return release
-            waiting.set()
-            time.sleep(chance.uniform(POLL_MIN_SECONDS, POLL_MAX_SECONDS))
-
-    return take
-
-
-def _library_take(tracked: TrackedEngine, name: str, timeout: float | None) -> Take:
-    def take() -> Callable[[], None]:
-        lock = advisory_lock(tracked.engine, name, timeout=timeout)
-        if not lock.acquire():
-            raise RuntimeError(f"{name}: not granted within {timeout} s")
-        return lock.release
-
-    return take
-
-
-def handoff_variants(url: URL, stack: ExitStack) -> list[HandoffVariant]:
-    variants = [
-        HandoffVariant(
-            "raw.handoff",
-            "raw psycopg: holder pg_advisory_unlock, waiter blocked in pg_advisory_lock",
-            _raw_take(raw_connection(url, stack), RAW_KEY),
-            _raw_take(raw_connection(url, stack), RAW_KEY),
-            reference=True,
-            key_name=RAW_KEY,
+def start_runs(variants: list[tuple[str, str]], url: URL, stack: ExitStack) -> list[HandoffRun]:
+    context = multiprocessing.get_context("spawn")
+    admin = raw_connection(url, stack).cursor()
+    url_text = url.render_as_string(hide_password=False)
+    runs = []
+    for name, kind in variants:
+        lock_name = f"bench.{name}"
+        here, there = context.Pipe()
+        busy = context.Event()
+        process = context.Process(
+            target=_waiter_process,
+            args=(kind, lock_name, url_text, there, busy),
+            name=f"waiter {name}",
+            daemon=True,
         )
-    ]
-    for name, timeout in (("ours.handoff", None), ("ours.handoff.timeout", 30.0)):
-        tracked = TrackedEngine(url, stack)
-        variants.append(
-            HandoffVariant(
-                name,
-                f"advisory_lock(engine, timeout={timeout}) for holder and waiter",
-                _library_take(tracked, name, None),
-                _library_take(tracked, name, timeout),
-                key_name=name,
-            )
+        process.start()
+        run = HandoffRun(
+            name, kind, make_client(kind, lock_name, url, stack), admin, process, here, busy
         )
-    polling_key = RAW_KEY + 1
-    polling = threading.Event()
-    raw_take_holder = _raw_take(raw_connection(url, stack), polling_key)
-
-    def polling_started() -> bool:
-        return polling.is_set()
-
-    def take_holder() -> Callable[[], None]:
-        polling.clear()
-        return raw_take_holder()
-
-    variants.append(
-        HandoffVariant(
-            "raw.handoff.client_polling",
-            "waiter polls pg_try_advisory_lock, sleeping 50-150 ms between tries (the Rails "
-            "gem's way)",
-            take_holder,
-            _polling_take(raw_connection(url, stack), polling_key, polling),
-            is_waiting=polling_started,
-            slow=True,
-        )
-    )
-    return variants
+        stack.callback(run.close)
+        runs.append(run)
+    for run in runs:
+        if not run.pipe.poll(START_SECONDS):
+            raise RuntimeError(f"{run.name}: the waiter process did not start")
+        what, value = run.pipe.recv()
+        if what != "ready":
+            raise RuntimeError(f"{run.name}: the waiter process failed to start: {value}")
+    return runs
 
 
 def run_handoffs(
-    variants: list[HandoffVariant],
+    variants: list[tuple[str, str]],
     url: URL,
     stack: ExitStack,
     *,
@@ -228,18 +169,17 @@ def run_handoffs(
     progress: Callable[[str], None] = lambda message: None,
 ) -> dict[str, list[float]]:
     """Latencies in seconds per variant, the variants interleaved round by round."""
-    admin = raw_connection(url, stack).cursor()
-    runs = [HandoffRun(variant, admin) for variant in variants]
-    try:
-        for number in range(rounds):
-            shift = number % len(runs)
-            for run in [*runs[shift:], *runs[:shift]]:
-                total = slow_trials if run.variant.slow else trials
-                # Spread the trials over the rounds; the first rounds take any remainder.
-                for _ in range(total // rounds + (1 if number < total % rounds else 0)):
-                    run.trial()
-            progress(f"handoff round {number + 1}/{rounds} done")
-    finally:
-        for run in runs:
-            run.close()
-    return {run.variant.name: run.latencies for run in runs}
+    runs = start_runs(variants, url, stack)
+    for number in range(rounds):
+        shift = number % len(runs)
+        for run in [*runs[shift:], *runs[:shift]]:
+            total = slow_trials if run.slow else trials
+            # Spread the trials over the rounds; the first rounds take any remainder.
+            for _ in range(total // rounds + (1 if number < total % rounds else 0)):
+                run.trial()
+        progress(f"handoff round {number + 1}/{rounds} done")
+    return {run.name: run.latencies for run in runs}
+
+
+def descriptions() -> dict[str, str]:
+    return {name: CLIENTS[kind] for name, kind in HANDOFF_VARIANTS}

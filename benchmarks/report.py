@@ -10,9 +10,13 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from benchmarks.measure import CaseSamples, percentile
+
+if TYPE_CHECKING:
+    from benchmarks.scale import ScaleResult
+    from benchmarks.throughput import ThroughputResult
 
 __all__ = [
     "HandoffResult",
@@ -65,6 +69,9 @@ class Report:
     floor: str
     uncontended: list[UncontendedResult]
     handoff: list[HandoffResult]
+    throughput: list[ThroughputResult] = field(default_factory=list)
+    scale: ScaleResult | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 def _round_ratios(case: CaseSamples, other: CaseSamples) -> list[float]:
@@ -176,6 +183,53 @@ def write_table(report: Report, stream: TextIO) -> None:
                 f"{result.p90_ms:9.3f} {result.p99_ms:9.3f} {_ratio(result.ratio_p50_to_raw):>10}",
                 file=stream,
             )
+    if report.throughput:
+        _write_throughput(report, stream)
+    if report.scale is not None:
+        _write_scale(report, stream)
+    for note in report.notes:
+        print(f"note: {note}", file=stream)
+
+
+def _write_throughput(report: Report, stream: TextIO) -> None:
+    workers = report.throughput[0].workers
+    print(file=stream)
+    print(f"Throughput: {workers} worker processes, acquire + release per second", file=stream)
+    header = f"{'case':40} {'ops/s':>9} {'x raw':>7}  per round"
+    print(header, file=stream)
+    print("-" * len(header), file=stream)
+    for row in report.throughput:
+        rounds = " ".join(f"{value:.0f}" for value in row.rounds)
+        print(
+            f"{row.name:40} {row.ops_per_second:9.0f} {_ratio(row.ratio_to_raw):>7}  {rounds}",
+            file=stream,
+        )
+
+
+def _write_scale(report: Report, stream: TextIO) -> None:
+    scale = report.scale
+    assert scale is not None
+    settings = ", ".join(f"{key}={value}" for key, value in scale.server_settings.items())
+    print(file=stream)
+    print(f"Scale (private server: {settings})", file=stream)
+    print(
+        f"  {scale.locks_held} distinct locks held on one connection: acquired in "
+        f"{scale.acquire_all_seconds:.2f} s, released in {scale.release_all_seconds:.2f} s; "
+        f"{scale.server_rows} rows in pg_locks",
+        file=stream,
+    )
+    print(f"  client memory per held lock: {scale.client_bytes_per_lock:.0f} bytes", file=stream)
+    print(
+        f"  lock table full after {scale.limit_reached_at} locks; other locks intact: "
+        f"{scale.limit_other_locks_intact}; error: {scale.limit_error}",
+        file=stream,
+    )
+    print(
+        f"  {scale.waiters} waiters on one key: all through in "
+        f"{scale.waiters_all_done_seconds:.3f} s ({scale.waiters_mean_handoff_ms:.3f} ms per "
+        f"handoff), at most {scale.waiters_max_inside} inside at once",
+        file=stream,
+    )
 
 
 def write_json(report: Report, path: Path) -> None:

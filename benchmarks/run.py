@@ -11,13 +11,17 @@ import fnmatch
 import os
 import platform
 import sys
+import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
 import psycopg
 import sqlalchemy
 
-from benchmarks.handoff import handoff_variants, run_handoffs
+from benchmarks.chart import write_handoff_chart
+from benchmarks.django_cases import django_cases, pals_cases
+from benchmarks.handoff import HANDOFF_VARIANTS, run_handoffs
+from benchmarks.handoff import descriptions as handoff_descriptions
 from benchmarks.measure import Case, interleave
 from benchmarks.postgres import URL_VARIABLE, database_url, server_version
 from benchmarks.report import (
@@ -30,9 +34,13 @@ from benchmarks.report import (
     write_table,
 )
 from benchmarks.round_trips import count_round_trips
+from benchmarks.scale import ScaleResult, run_scale
+from benchmarks.throughput import ThroughputResult, run_throughput
 from benchmarks.uncontended import FLOOR, uncontended_cases
+from tests.private_postgres import PrivateServerUnavailable
 
-GROUPS = ("uncontended", "handoff")
+GROUPS = ("uncontended", "handoff", "throughput", "scale")
+DEFAULT_CHART = Path(tempfile.gettempdir()) / "advisory-locks-handoff.png"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,10 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         if not arguments.quiet:
             print(f"... {message}", file=sys.stderr, flush=True)
 
+    uncontended: list[UncontendedResult] = []
+    handoff: list[HandoffResult] = []
+    throughput: list[ThroughputResult] = []
+    scale: ScaleResult | None = None
+    notes: list[str] = []
     with ExitStack() as stack:
-        uncontended: list[UncontendedResult] = []
-        handoff: list[HandoffResult] = []
-        cases = _select_cases(uncontended_cases(url, stack), arguments.only)
+        cases = _select_cases(_all_cases(url, stack, notes), arguments.only)
         if cases:
             progress(f"counting round trips for {len(cases)} cases")
             trips = {case.name: count_round_trips(case, arguments.round_trip_ops) for case in cases}
@@ -59,15 +70,14 @@ def main(argv: list[str] | None = None) -> int:
                 progress=progress,
             )
             uncontended = uncontended_results(samples, FLOOR, trips)
-        variants = handoff_variants(url, stack)
-        chosen = {
-            variant.name for variant in variants if _runs(arguments.only, "handoff", variant.name)
-        }
-        if chosen:
-            variants = [
-                variant for variant in variants if variant.reference or variant.name in chosen
-            ]
-            progress(f"handoff: {len(variants)} variants")
+    variants = [
+        (name, kind)
+        for index, (name, kind) in enumerate(HANDOFF_VARIANTS)
+        if index == 0 or _runs(arguments.only, "handoff", name)
+    ]
+    if len(variants) > 1 or _runs(arguments.only, "handoff", variants[0][0]):
+        progress(f"handoff: {len(variants)} variants, waiters in their own processes")
+        with ExitStack() as stack:
             latencies = run_handoffs(
                 variants,
                 url,
@@ -77,9 +87,21 @@ def main(argv: list[str] | None = None) -> int:
                 slow_trials=arguments.polling_trials,
                 progress=progress,
             )
-            reference = next((variant.name for variant in variants if variant.reference), None)
-            descriptions = {variant.name: variant.description for variant in variants}
-            handoff = handoff_results(latencies, descriptions, reference)
+        handoff = handoff_results(latencies, handoff_descriptions(), variants[0][0])
+    if _runs(arguments.only, "throughput", "throughput"):
+        progress(f"throughput: {arguments.workers} worker processes")
+        throughput = run_throughput(
+            url,
+            workers=arguments.workers,
+            seconds=arguments.throughput_seconds,
+            rounds=arguments.throughput_rounds,
+            progress=progress,
+        )
+    if _runs(arguments.only, "scale", "scale"):
+        try:
+            scale = run_scale(progress)
+        except PrivateServerUnavailable as error:
+            notes.append(f"scale not measured: {error}")
 
     report = Report(
         environment=_environment(url),
@@ -89,16 +111,36 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": arguments.warmup,
             "handoff_trials": arguments.handoff_trials,
             "polling_trials": arguments.polling_trials,
+            "workers": arguments.workers,
+            "throughput_seconds": arguments.throughput_seconds,
         },
         floor=FLOOR,
         uncontended=uncontended,
         handoff=handoff,
+        throughput=throughput,
+        scale=scale,
+        notes=notes,
     )
     write_table(report, sys.stdout)
+    if handoff:
+        title = ", ".join(f"{key} {value}" for key, value in report.environment.items())
+        write_handoff_chart(handoff, arguments.chart, title)
+        print(f"\nHandoff chart written to {arguments.chart}")
     if arguments.json is not None:
         write_json(report, arguments.json)
-        print(f"\nJSON written to {arguments.json}")
+        print(f"JSON written to {arguments.json}")
     return 0
+
+
+def _all_cases(url: sqlalchemy.engine.URL, stack: ExitStack, notes: list[str]) -> list[Case]:
+    cases = uncontended_cases(url, stack)
+    for build in (django_cases, pals_cases):
+        try:
+            cases += build(url, stack)
+        except ImportError as error:
+            # Peers are benchmark-only dependencies: say which one is missing.
+            notes.append(f"{build.__name__} not measured: {error} (pip install -e '.[benchmark]')")
+    return cases
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,13 +165,29 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--round-trip-ops", type=int, default=100, help="operations per round-trip count"
     )
+    parser.add_argument(
+        "--workers", type=int, default=4, help="throughput worker processes (default 4)"
+    )
+    parser.add_argument(
+        "--throughput-seconds", type=float, default=1.0, help="length of one throughput sample"
+    )
+    parser.add_argument(
+        "--throughput-rounds", type=int, default=3, help="interleaved throughput rounds"
+    )
+    parser.add_argument(
+        "--chart",
+        type=Path,
+        default=DEFAULT_CHART,
+        help=f"where the handoff latency PNG goes (default {DEFAULT_CHART})",
+    )
     parser.add_argument("--json", type=Path, help="also write the full report as JSON here")
     parser.add_argument(
         "--only",
         action="append",
         metavar="NAME",
-        help="run only this group (uncontended, handoff) or cases matching this glob "
-        "(e.g. 'ours.engine*'); repeatable. The references a ratio needs always run.",
+        help="run only this group (uncontended, handoff, throughput, scale) or cases "
+        "matching this glob (e.g. 'ours.engine*'); repeatable. The references a ratio "
+        "needs always run.",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser

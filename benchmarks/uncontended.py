@@ -94,11 +94,13 @@ def raw_cases(url: URL, stack: ExitStack) -> list[Case]:
         cursor.fetchone()
 
     def timeout_lock_unlock(cursor: psycopg.Cursor[TupleRow], key: int) -> None:
-        # One simple-protocol round trip: the implicit transaction of a multi-statement
-        # query scopes SET LOCAL to the wait.
+        # One statement, one implicit transaction: set_config(..., true) is scoped to it,
+        # and the statement is prepared after a few runs like the floor's.
         cursor.execute(
-            f"SET LOCAL lock_timeout = {TIMEOUT_SECONDS * 1000}; SELECT pg_advisory_lock({key})"
+            "SELECT pg_advisory_lock(%s) FROM (SELECT set_config('lock_timeout', %s, true)) t",
+            (key, str(TIMEOUT_SECONDS * 1000)),
         )
+        cursor.fetchone()
         cursor.execute("SELECT pg_advisory_unlock(%s)", (key,))
         cursor.fetchone()
 
@@ -110,9 +112,38 @@ def raw_cases(url: URL, stack: ExitStack) -> list[Case]:
     add("raw.lock+unlock", "pg_advisory_lock (waits forever) + pg_advisory_unlock", lock_unlock)
     add(
         "raw.timeout_lock+unlock",
-        f"SET LOCAL lock_timeout + pg_advisory_lock in one query ({TIMEOUT_SECONDS} s) "
+        f"pg_advisory_lock with lock_timeout={TIMEOUT_SECONDS} s set in the same statement "
         "+ pg_advisory_unlock",
         timeout_lock_unlock,
+    )
+
+    pooled = TrackedEngine(url, stack)
+    pool_key = RAW_KEY_BASE + len(cases)
+
+    def pooled_lock(watch: Stopwatch) -> None:
+        # What any code that borrows a connection per operation pays: a pool checkout and
+        # checkin around the floor's two statements (the driver stays in autocommit).
+        watch.start()
+        connection = pooled.engine.raw_connection()
+        cursor = connection.cursor()
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", (pool_key,))
+        cursor.fetchone()
+        cursor.execute("SELECT pg_advisory_unlock(%s)", (pool_key,))
+        cursor.fetchone()
+        connection.close()
+        watch.stop()
+
+    first = pooled.engine.raw_connection()
+    first.dbapi_connection.autocommit = True  # type: ignore[union-attr]  # stays so: cheapest
+    first.close()
+    cases.append(
+        Case(
+            "raw.pooled_try_lock+unlock",
+            "reference",
+            "the floor on a connection borrowed from a SQLAlchemy pool per operation",
+            pooled_lock,
+            sockets=pooled.sockets,
+        )
     )
 
     transaction_connection = raw_connection(url, stack, autocommit=False)

@@ -1,0 +1,195 @@
+"""Lock clients by name, buildable in any process: raw SQL, ours (SQLAlchemy, Django), peers.
+
+Handoff waiters and throughput workers run in their own processes (a thread would share
+the GIL with the holder and inflate every figure), so a client is named by a string and
+built where it runs. ``take()`` acquires (waiting in the server) and returns the function
+that releases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import create_engine
+from sqlalchemy.engine import URL
+
+from advisory_locks.keys import derive_key
+from advisory_locks.sqlalchemy import advisory_lock
+from benchmarks.postgres import raw_connection
+
+__all__ = ["CLIENTS", "Client", "Take", "make_client", "setup_django"]
+
+Take = Callable[[], Callable[[], None]]
+
+WAIT_SECONDS = 30
+PALS_APP = "bench"
+POLL_MIN_SECONDS = 0.05
+POLL_MAX_SECONDS = 0.15
+
+# name -> what it is (for the tables)
+CLIENTS = {
+    "raw": "raw psycopg: pg_advisory_lock (the server waits) + pg_advisory_unlock",
+    "raw.timeout": "raw psycopg: pg_advisory_lock with lock_timeout set in the same statement",
+    "ours.engine": "advisory_lock(engine, name)",
+    "ours.engine.timeout": f"advisory_lock(engine, name, timeout={WAIT_SECONDS})",
+    "ours.connection.timeout": f"advisory_lock(connection, name, timeout={WAIT_SECONDS})",
+    "ours.django.timeout": f"advisory_locks_django.advisory_lock(name, timeout={WAIT_SECONDS})",
+    "pglock.timeout": f"django-pglock: pglock.advisory(name, timeout={WAIT_SECONDS})",
+    "pals.timeout": f"pals: Locker.lock(name, acquire_timeout={WAIT_SECONDS * 1000})",
+    "raw.client_polling": "pg_try_advisory_lock every 50-150 ms (the Rails gem's way)",
+}
+
+
+@dataclass
+class Client:
+    take: Take
+    # (classid, objid, objsubid) of the lock in pg_locks, to see a waiter queue.
+    pg_ids: tuple[int, int, int]
+    # A polling client never queues in the server; it calls on_busy instead.
+    polls: bool = False
+
+
+def setup_django(url: URL) -> None:
+    """Configure Django in this process for the same server (once)."""
+    import django
+    from django.conf import settings
+
+    if settings.configured:
+        return
+    settings.configure(
+        DATABASES={
+            "default": {
+                "ENGINE": "django.db.backends.postgresql",
+                "HOST": url.host or "",
+                "PORT": url.port or "",
+                "USER": url.username or "",
+                "PASSWORD": url.password or "",
+                "NAME": url.database or "postgres",
+            }
+        },
+        INSTALLED_APPS=["advisory_locks_django"],
+        USE_TZ=True,
+    )
+    django.setup()
+
+
+def _ids(key: int) -> tuple[int, int, int]:
+    return derive_key(key).pg_locks_ids()
+
+
+def pals_key(name: str) -> int:
+    """The bigint pals sends for ``name`` under app ``PALS_APP`` (sha1, native order)."""
+    digest = hashlib.sha1(f"{PALS_APP}.{name}".encode()).digest()
+    return int(struct.unpack("q", digest[:8])[0])
+
+
+def make_client(
+    kind: str,
+    name: str,
+    url: URL,
+    stack: ExitStack,
+    on_busy: Callable[[], None] = lambda: None,
+) -> Client:
+    """Build client ``kind`` for the lock called ``name`` (raw clients use its key)."""
+    key = derive_key(name).ints[0]
+    if kind in ("raw", "raw.timeout"):
+        cursor = raw_connection(url, stack).cursor()
+        sql = (
+            "SELECT pg_advisory_lock(%s)"
+            if kind == "raw"
+            else "SELECT pg_advisory_lock(%s) FROM (SELECT set_config('lock_timeout', %s, true)) t"
+        )
+        params: tuple[object, ...] = (key,) if kind == "raw" else (key, str(WAIT_SECONDS * 1000))
+
+        def release_raw() -> None:
+            cursor.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+        def take_raw() -> Callable[[], None]:
+            cursor.execute(sql, params)
+            return release_raw
+
+        return Client(take_raw, _ids(key))
+    if kind == "raw.client_polling":
+        return _polling_client(url, stack, key, on_busy)
+    if kind.startswith("ours.") and "django" not in kind:
+        engine = create_engine(url)
+        stack.callback(engine.dispose)
+        timeout = WAIT_SECONDS if kind.endswith(".timeout") else None
+        bind: Any = engine
+        if kind.startswith("ours.connection"):
+            bind = engine.connect()
+            stack.callback(bind.close)
+
+        def take_ours() -> Callable[[], None]:
+            lock = advisory_lock(bind, name, timeout=timeout)
+            if not lock.acquire():
+                raise RuntimeError(f"{name}: not granted within {timeout} s")
+            release: Callable[[], None] = lock.release
+            return release
+
+        return Client(take_ours, _ids(key))
+    if kind == "ours.django.timeout":
+        setup_django(url)
+        from advisory_locks_django import advisory_lock as django_lock
+
+        def take_django() -> Callable[[], None]:
+            lock = django_lock(name, timeout=WAIT_SECONDS)
+            if not lock.acquire():
+                raise RuntimeError(f"{name}: not granted")
+            return lock.release
+
+        return Client(take_django, _ids(key))
+    if kind == "pglock.timeout":
+        setup_django(url)
+        import pglock
+
+        def take_pglock() -> Callable[[], None]:
+            lock = pglock.advisory(name, timeout=WAIT_SECONDS)
+            if not lock.acquire():
+                raise RuntimeError(f"{name}: not granted")
+            release: Callable[[], None] = lock.release
+            return release
+
+        return Client(take_pglock, derive_key(name, scheme="pglock").pg_locks_ids())
+    if kind == "pals.timeout":
+        import pals  # type: ignore[import-untyped]
+
+        engine = create_engine(url)
+        stack.callback(engine.dispose)
+        locker = pals.Locker(PALS_APP, create_engine_callable=lambda: engine)
+
+        def take_pals() -> Callable[[], None]:
+            lock = locker.lock(name, blocking=True, acquire_timeout=WAIT_SECONDS * 1000)
+            if not lock.acquire():
+                raise RuntimeError(f"{name}: not granted")
+            release: Callable[[], None] = lock.release
+            return release
+
+        return Client(take_pals, _ids(pals_key(name)))
+    raise ValueError(f"unknown client {kind!r}; one of {sorted(CLIENTS)}")
+
+
+def _polling_client(url: URL, stack: ExitStack, key: int, on_busy: Callable[[], None]) -> Client:
+    cursor = raw_connection(url, stack).cursor()
+    chance = random.Random(key)
+
+    def release() -> None:
+        cursor.execute("SELECT pg_advisory_unlock(%s)", (key,))
+
+    def take() -> Callable[[], None]:
+        while True:
+            cursor.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+            row = cursor.fetchone()
+            if row is not None and row[0]:
+                return release
+            on_busy()
+            time.sleep(chance.uniform(POLL_MIN_SECONDS, POLL_MAX_SECONDS))
+
+    return Client(take, _ids(key), polls=True)
