@@ -47,7 +47,8 @@ def counted(test: str) -> None:
     GENERATED[test] = GENERATED.get(test, 0) + 1
 
 
-@pytest.fixture(scope="module", autouse=True)
+# Session scope: reported once at the end, with the counts of other modules' properties.
+@pytest.fixture(scope="session", autouse=True)
 def report_inputs() -> Iterator[None]:
     yield
     for test, count in sorted(GENERATED.items()):
