@@ -71,3 +71,27 @@ def pg_admin(postgres_url: URL) -> Iterator[psycopg.Connection[TupleRow]]:
     """A separate autocommit connection for looking at pg_locks from outside."""
     with psycopg_connect(postgres_url, autocommit=True) as admin:
         yield admin
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(
+    django_db_modify_db_settings_parallel_suffix: None, postgres_url: URL
+) -> None:
+    """Point tests/django_settings.py at the discovered server before pytest-django creates
+    the test databases, so a missing server skips or fails like any other test."""
+    from django.conf import settings
+
+    for database in settings.DATABASES.values():
+        if database["ENGINE"] != "django.db.backends.postgresql":
+            continue  # the MySQL and SQLite aliases are aimed by the tests that use them
+        if database["NAME"] == database.get("TEST", {}).get("NAME"):
+            # The test database exists already: renaming it back would make
+            # pytest-django's teardown drop the server's own database instead.
+            continue
+        database.update(
+            HOST=postgres_url.host or "",
+            PORT=postgres_url.port or "",
+            USER=postgres_url.username or "",
+            PASSWORD=postgres_url.password or "",
+            NAME=postgres_url.database or "postgres",
+        )

@@ -15,10 +15,6 @@ import pytest
 from django.conf import settings
 from django.test.utils import override_settings
 
-# The Django tests' fixture that points the test databases at the discovered PostgreSQL
-# (so a missing server fails in CI and skips elsewhere, like every other test).
-from tests.django.conftest import django_db_modify_db_settings  # noqa: F401
-
 SHOP_DATABASES = {"postgresql": "default", "sqlite": "sqlite"}
 # Every test here may touch either database; pytest-django blocks the others.
 django_db = pytest.mark.django_db(transaction=True, databases=list(SHOP_DATABASES.values()))
