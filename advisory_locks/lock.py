@@ -488,10 +488,21 @@ def _reported_inside(exc: BaseException | None, lock: AdvisoryLock) -> bool:
 
 
 def _not_acquired(lock: AdvisoryLock, timeout: Timeout = None) -> LockNotAcquired:
-    timeout = lock.timeout if timeout is None else timeout
-    if timeout:
+    return not_acquired_error(lock.name, lock.timeout if timeout is None else timeout)
+
+
+def not_acquired_error(name: LockName, timeout: Timeout) -> LockNotAcquired:
+    """The error for a lock that stayed busy: LockTimeout whenever a wait ran out.
+
+    With ``timeout=None`` the library sets no limit, so a refusal means the connection's
+    own ``lock_timeout`` ended the wait: a timeout all the same.
+    """
+    if timeout == 0:
+        return LockNotAcquired(f"advisory lock {name!r} is held elsewhere", name=name)
+    if timeout is None:
         return LockTimeout(
-            f"advisory lock {lock.name!r} was not granted within {timeout} s",
-            name=lock.name,
+            f"advisory lock {name!r} was not granted before the connection's own "
+            "lock_timeout ran out",
+            name=name,
         )
-    return LockNotAcquired(f"advisory lock {lock.name!r} is held elsewhere", name=lock.name)
+    return LockTimeout(f"advisory lock {name!r} was not granted within {timeout} s", name=name)

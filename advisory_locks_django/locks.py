@@ -29,7 +29,7 @@ from advisory_locks.errors import (
     UnsupportedFeature,
 )
 from advisory_locks.keys import LockKey, LockName, derive_key
-from advisory_locks.lock import AdvisoryLock
+from advisory_locks.lock import AdvisoryLock, not_acquired_error
 from advisory_locks.registry import Holding
 from advisory_locks_django import signals
 from advisory_locks_django.binding import DjangoConnectionLocks, DjangoSite, connection_locks
@@ -364,12 +364,7 @@ class DjangoAdvisoryLock:
         )
 
     def _not_acquired(self) -> LockNotAcquired:
-        if self.timeout:
-            return LockTimeout(
-                f"advisory lock {self.name!r} was not granted within {self.timeout} s",
-                name=self.name,
-            )
-        return LockNotAcquired(f"advisory lock {self.name!r} is held elsewhere", name=self.name)
+        return not_acquired_error(self.name, self.timeout)
 
     def _send(self, signal: Any, **extra: Any) -> None:
         signals.send(
