@@ -1,7 +1,7 @@
 """Database-held named locks for SQLAlchemy and Django.
 
-Public API: :func:`advisory_lock`, :class:`AdvisoryLock`, :func:`lock_key`,
-:func:`current_advisory_locks` and the errors below.
+Public API: ``advisory_lock()``, ``AdvisoryLock``, ``lock_key()``,
+``current_advisory_locks()`` and the errors below.
 """
 
 from __future__ import annotations

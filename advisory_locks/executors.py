@@ -35,7 +35,7 @@ class DBAPIExecutor:
     returning, and each driver's ``execute()`` discards whatever an earlier statement left
     behind; a cursor shared by threads would mix up results, so a mutex brackets each
     statement and its fetch. The cursor dies with its connection, as does this executor
-    (it is kept in the connection's ``info``; see :func:`executor_for`).
+    (it is kept in the connection's ``info``; see ``executor_for()``).
     """
 
     __slots__ = ("_cursor", "_mutex", "connection", "state")

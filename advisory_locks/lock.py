@@ -393,7 +393,8 @@ class AdvisoryLockSet:
         _release_all(taken)
 
     def ensure_held(self) -> None:
-        """:meth:`AdvisoryLock.ensure_held` for every lock of the set."""
+        """[AdvisoryLock.ensure_held][advisory_locks.AdvisoryLock.ensure_held] for every lock of
+        the set."""
         for lock in self._taken:
             lock.ensure_held()
 
@@ -421,7 +422,7 @@ class AdvisoryLockSet:
 
 
 class AsyncAdvisoryLockSet:
-    """The awaitable twin of :class:`AdvisoryLockSet`."""
+    """The awaitable twin of [AdvisoryLockSet][advisory_locks.AdvisoryLockSet]."""
 
     __slots__ = ("_run", "_set")
 

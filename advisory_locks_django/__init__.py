@@ -1,7 +1,7 @@
 """Django integration for advisory-locks: add ``"advisory_locks_django"`` to INSTALLED_APPS.
 
-Public API: :func:`advisory_lock`, :class:`DjangoAdvisoryLock`,
-:func:`current_advisory_locks`, the managers and querysets, and the signals
+Public API: ``advisory_lock()``, ``DjangoAdvisoryLock``,
+``current_advisory_locks()``, the managers and querysets, and the signals
 ``lock_acquired``, ``lock_released`` and ``lock_failed``. See docs/django.md.
 """
 

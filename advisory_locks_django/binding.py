@@ -1,11 +1,11 @@
 """Where a Django database connection becomes the core's LockSite and Lease.
 
 This module is the only place that looks inside Django's connection objects. The lock
-logic is the core's :class:`~advisory_locks.lock.AdvisoryLock`, and the SQL is the dialect
+logic is the core's ``AdvisoryLock``, and the SQL is the dialect
 backend's (``backend_for_dialect(connection.vendor)``), so every backend the core gains
 works here unchanged.
 
-What one Django connection holds is recorded in a :class:`DjangoConnectionLocks` kept on
+What one Django connection holds is recorded in a ``DjangoConnectionLocks`` kept on
 the ``DatabaseWrapper`` (which Django keeps per thread and alias) together with the DB-API
 connection it describes. When Django closes or reconnects (``CONN_MAX_AGE``,
 ``close_old_connections()``, ``connection.close()``) the DB-API connection changes, the

@@ -1,7 +1,7 @@
 """``advisory_lock()`` for Django: a context manager, a decorator and an acquire/release pair.
 
-The lock itself is the core's :class:`~advisory_locks.lock.AdvisoryLock` on a
-:class:`~advisory_locks_django.binding.DjangoSite`; this module adds what Django code
+The lock itself is the core's ``AdvisoryLock`` on a
+``DjangoSite`` (``advisory_locks_django.binding``); this module adds what Django code
 expects around it: defaults from settings, ``atomic()`` for ``transaction=True``, signals,
 names computed from a decorated function's arguments, and ``async`` support.
 """
@@ -85,7 +85,7 @@ def current_advisory_locks(using: str = DEFAULT_DB_ALIAS) -> list[LockName]:
 
 
 class DjangoAdvisoryLock:
-    """See :func:`advisory_lock`."""
+    """What [advisory_lock][advisory_locks_django.advisory_lock] returns; see there."""
 
     __slots__ = (
         "_atomics",
@@ -195,6 +195,19 @@ class DjangoAdvisoryLock:
         """Give the lock back; a transaction lock stays until its transaction ends."""
         self._release(None, None, None)
 
+    def ensure_held(self) -> None:
+        """Ask the database whether it still holds this lock; raise LockLost if not.
+
+        One round trip on the lock's connection: call it before an irreversible step.
+        """
+        try:
+            self._core().ensure_held()
+        except LockLost:
+            if self._holdings:
+                locks, holding = self._holdings[-1]
+                locks.released(holding, "lost")
+            raise
+
     def _release(
         self,
         exc_type: type[BaseException] | None,
@@ -257,13 +270,16 @@ class DjangoAdvisoryLock:
     # -- async ----------------------------------------------------------------------------
 
     async def aacquire(self) -> bool:
-        """:meth:`acquire` from async code (runs in Django's thread for sync work)."""
+        """[acquire][advisory_locks_django.DjangoAdvisoryLock.acquire] from async code.
+
+        It runs in the thread Django gives sync work (``thread_sensitive=True``).
+        """
         self._refuse_async_transaction()
         granted: bool = await sync_to_async(self.acquire, thread_sensitive=True)()
         return granted
 
     async def arelease(self) -> None:
-        """:meth:`release` from async code."""
+        """[release][advisory_locks_django.DjangoAdvisoryLock.release] from async code."""
         await sync_to_async(self.release, thread_sensitive=True)()
 
     async def __aenter__(self) -> DjangoAdvisoryLock:

@@ -37,7 +37,7 @@ class AdvisoryLockQuerySetMixin:
     """Adds ``with_advisory_lock()`` to a QuerySet class of your own."""
 
     def with_advisory_lock(self, name: NameSpec, **options: Any) -> DjangoAdvisoryLock:
-        """:func:`~advisory_locks_django.advisory_lock` on this queryset's database."""
+        """[advisory_lock][advisory_locks_django.advisory_lock] on this queryset's database."""
         return _lock_for(self, name, options)
 
 
@@ -45,7 +45,7 @@ class AdvisoryLockManagerMixin:
     """Adds ``with_advisory_lock()`` to a Manager class of your own."""
 
     def with_advisory_lock(self, name: NameSpec, **options: Any) -> DjangoAdvisoryLock:
-        """:func:`~advisory_locks_django.advisory_lock` on this manager's database."""
+        """[advisory_lock][advisory_locks_django.advisory_lock] on this manager's database."""
         return _lock_for(self, name, options)
 
 
@@ -54,7 +54,10 @@ class AdvisoryLockQuerySet(AdvisoryLockQuerySetMixin, models.QuerySet[M]):
 
 
 class AdvisoryLockManager(AdvisoryLockManagerMixin, models.Manager[M]):
-    """A Manager with ``with_advisory_lock()``, returning :class:`AdvisoryLockQuerySet`."""
+    """A Manager with ``with_advisory_lock()``.
+
+    Its querysets are [AdvisoryLockQuerySet][advisory_locks_django.AdvisoryLockQuerySet]s.
+    """
 
     def get_queryset(self) -> AdvisoryLockQuerySet[M]:
         hints: dict[str, Any] = getattr(self, "_hints", {})

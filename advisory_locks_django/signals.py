@@ -1,7 +1,7 @@
 """Signals sent when the server grants, refuses or gives back a lock.
 
-Every signal is sent with ``sender`` = :class:`advisory_locks_django.DjangoAdvisoryLock`
-and these keyword arguments:
+Every signal is sent with ``sender`` =
+[DjangoAdvisoryLock][advisory_locks_django.DjangoAdvisoryLock] and these keyword arguments:
 
 ``name``, ``key``
     the lock's name and the key(s) the server sees;

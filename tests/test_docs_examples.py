@@ -16,13 +16,16 @@ The convention the examples are written to (docs/development.md explains it to a
   settings (which supply ``DATABASES`` from ``$DATABASE_URL``).
 - A page's ``<app>/models.py`` blocks make ``<app>`` an installed app.
 - A block that imports ``django`` or ``advisory_locks_django``, or is a ``settings.py``,
-  runs with Django set up (``django.setup()`` and ``migrate --run-syncdb``) first.
+  runs with Django set up (``django.setup()`` and ``migrate --run-syncdb``) first; so
+  does every block of a page with a ``settings.py`` or ``<app>/models.py`` block (a
+  Django page, whose blocks may import only the page's models).
 - The only way out is a visible marker on the line(s) right before the fence:
   ``<!-- example: not-run (why) -->``. Such blocks must still compile.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -63,7 +66,11 @@ class Example:
 
     @property
     def needs_django(self) -> bool:
-        return self.title == "settings.py" or bool(DJANGO_IMPORT.search(self.source))
+        return (
+            self.title == "settings.py"
+            or bool(DJANGO_IMPORT.search(self.source))
+            or is_django_page(self.page)
+        )
 
     @property
     def module(self) -> str | None:
@@ -71,6 +78,18 @@ class Example:
         if self.title is None or not self.title.endswith(".py") or self.title == "settings.py":
             return None
         return self.title.removesuffix(".py").replace("/", ".")
+
+
+@functools.cache
+def is_django_page(page: Path) -> bool:
+    """A page with a settings.py or <app>/models.py block describes one Django project."""
+    path = page if page.is_absolute() else ROOT / page
+    if not path.is_file():
+        return False
+    return any(
+        block.title == "settings.py" or (block.title or "").endswith("/models.py")
+        for block in examples_in(path)
+    )
 
 
 def pages() -> list[Path]:
@@ -305,6 +324,19 @@ def test_the_extractor_reads_titles_indentation_and_markers(tmp_path: Path) -> N
         (None, None, "if True:\n    C = 3\n"),
     ]
     assert found[0].module == "shop.models"
+
+
+def test_every_block_of_a_page_with_models_runs_with_django_set_up(tmp_path: Path) -> None:
+    page = tmp_path / "django-page.md"
+    page.write_text(
+        '```python title="shop/models.py"\nA = 1\n```\n\n'
+        "```python\nfrom shop.models import A\n```\n",
+        encoding="utf-8",
+    )
+    plain = tmp_path / "plain-page.md"
+    plain.write_text("```python\nimport os\n```\n", encoding="utf-8")
+    assert [example.needs_django for example in examples_in(page)] == [True, True]
+    assert [example.needs_django for example in examples_in(plain)] == [False]
 
 
 def test_a_failing_example_fails_its_test(

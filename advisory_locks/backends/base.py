@@ -86,7 +86,7 @@ class Backend(Protocol):
     def inspect_server(self, executor: Executor) -> int:
         """Check, once per physical connection, that the server really has these locks.
 
-        Raise :class:`UnsupportedDatabase` for servers that only imitate them; warn where
+        Raise ``UnsupportedDatabase`` for servers that only imitate them; warn where
         they cannot coordinate with other servers. Return the server's id for this
         session (PostgreSQL: ``pg_backend_pid()``), which a binding compares with the id
         the driver was told at connect to notice a pooler or proxy in between.

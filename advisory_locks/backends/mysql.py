@@ -2,7 +2,7 @@
 
 ``GET_LOCK(name, timeout)`` takes a session-scoped exclusive lock, waiting in the server;
 ``RELEASE_LOCK(name)`` gives it back. The server knows locks by a text name of at most
-64 characters, so each lock name maps to a server-side name (:func:`server_lock_name`).
+64 characters, so each lock name maps to a server-side name (``server_lock_name()``).
 Names are always sent as parameters.
 
 What MySQL cannot do is refused before any SQL: shared locks (there are none) and

@@ -1,7 +1,7 @@
 """``manage.py advisory_locks list|key``: the ``advisory-locks`` command, on Django's databases.
 
 The listing and its table are the core CLI's (the backend's ``list_locks`` and
-:mod:`advisory_locks.monitoring`); this command adds the names this process can tell:
+``advisory_locks.monitoring``); this command adds the names this process can tell:
 those of locks it holds itself, and any ``--name`` given, hashed with the project's key
 scheme and prefix. ``key`` shows what the database behind ``--database`` sees: integer
 keys on PostgreSQL (and SQLite, whose lock files are named by them), the ``GET_LOCK``
