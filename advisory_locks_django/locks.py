@@ -195,6 +195,19 @@ class DjangoAdvisoryLock:
         """Give the lock back; a transaction lock stays until its transaction ends."""
         self._release(None, None, None)
 
+    def ensure_held(self) -> None:
+        """Ask the database whether it still holds this lock; raise LockLost if not.
+
+        One round trip on the lock's connection: call it before an irreversible step.
+        """
+        try:
+            self._core().ensure_held()
+        except LockLost:
+            if self._holdings:
+                locks, holding = self._holdings[-1]
+                locks.released(holding, "lost")
+            raise
+
     def _release(
         self,
         exc_type: type[BaseException] | None,

@@ -110,7 +110,18 @@ class SQLiteBackend:
         return True
 
     def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
-        return (key.ints, shared) in _open_files(executor)
+        if (key.ints, shared) not in _open_files(executor):
+            return False
+        # The file stays locked after its SQLite connection was closed behind the
+        # binding's back, but the lock ends with its connection, as a server's does: ask
+        # the connection, and let go of its files at once if it is gone.
+        try:
+            executor.fetch_value("SELECT 1", ())
+        except Exception as error:
+            if self.is_connection_failure(error):
+                self.connection_closed(executor.state)
+            raise
+        return True
 
     def connection_closed(self, state: dict[str, Any]) -> None:
         # Closing a file frees its OS lock; a binding calls this when it sees the SQLite

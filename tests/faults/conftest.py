@@ -7,16 +7,35 @@ forced deadlock, ...) goes through :func:`inject`, so a run reports how many it 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg.rows import TupleRow
 from sqlalchemy import Engine, create_engine
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, make_url
 
+# The contract suite's database x binding targets (a holder process, a waiter observed
+# on the server, SQLAlchemy and Django clients), reused for the faults that every
+# database and binding must survive.
+from tests.contract.conftest import target  # noqa: F401
+from tests.databases import pymysql_connect
 from tests.faults.pgbouncer import PgBouncer, running_pgbouncer
+from tests.faults.servers import (
+    FaultDatabase,
+    mysql_holder,
+    mysql_kill,
+    postgres_holder,
+    postgres_kill,
+    sqlite_holder,
+    sqlite_kill,
+)
 
 FAULTS_INJECTED: dict[str, int] = {}
 REPORT_LINES: list[str] = []
+# Soak totals over every database: operations, locks leaked, lost updates.
+SOAKED: dict[str, int] = {"operations": 0, "leaked": 0, "lost": 0}
 
 
 def inject(kind: str) -> None:
@@ -29,9 +48,21 @@ def report(line: str) -> None:
     REPORT_LINES.append(line)
 
 
+def soaked(operations: int, leaked: int, lost_updates: int) -> None:
+    """Add one soak run to the totals the end-of-run summary gives."""
+    SOAKED["operations"] += operations
+    SOAKED["leaked"] += leaked
+    SOAKED["lost"] += lost_updates
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     for line in REPORT_LINES:
         terminalreporter.write_line(line)
+    if SOAKED["operations"]:
+        terminalreporter.write_line(
+            f"operations soaked: {SOAKED['operations']}, locks leaked: {SOAKED['leaked']}, "
+            f"lost updates: {SOAKED['lost']}"
+        )
     if FAULTS_INJECTED:
         details = ", ".join(f"{kind}: {n}" for kind, n in sorted(FAULTS_INJECTED.items()))
         terminalreporter.write_line(f"faults injected: {sum(FAULTS_INJECTED.values())} ({details})")
@@ -57,3 +88,39 @@ def pgbouncer(postgres_url: URL) -> Iterator[PgBouncer]:
     """A PgBouncer in front of the test server, in session and transaction pooling."""
     with running_pgbouncer(postgres_url) as bouncer:
         yield bouncer
+
+
+@pytest.fixture
+def my_admin(mysql_url: URL) -> Iterator[Any]:
+    """A separate autocommit MySQL/MariaDB connection for looking at the server's locks."""
+    admin = pymysql_connect(mysql_url)
+    admin.autocommit(True)
+    yield admin
+    admin.close()
+
+
+@pytest.fixture(params=["postgresql", "mariadb", "sqlite"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FaultDatabase]:
+    """One database of each kind, with a way to see from outside who holds a name."""
+    if request.param == "postgresql":
+        admin: psycopg.Connection[TupleRow] = request.getfixturevalue("pg_admin")
+        url: URL = request.getfixturevalue("postgres_url")
+        yield FaultDatabase(
+            "postgresql", url, postgres_holder(admin), frozenset(), postgres_kill(admin)
+        )
+    elif request.param == "mariadb":
+        url = request.getfixturevalue("mysql_url")
+        my_admin = request.getfixturevalue("my_admin")
+        yield FaultDatabase(
+            "mariadb",
+            url,
+            mysql_holder(my_admin),
+            frozenset({"shared", "transaction"}),
+            mysql_kill(my_admin),
+        )
+    else:
+        file = tmp_path / "faults.sqlite"
+        url = make_url(f"sqlite:///{file}")
+        yield FaultDatabase(
+            "sqlite", url, sqlite_holder(file), frozenset({"transaction"}), sqlite_kill
+        )

@@ -1,4 +1,5 @@
-"""A holder process killed with SIGKILL: the server frees its locks for the waiters.
+"""A holder process killed with SIGKILL: the server (or, for SQLite, the OS) frees its
+locks for the waiters.
 
 No ``finally`` runs in a killed process, so only the server can give the lock back; it
 does when the dead process's socket closes. Children are spawned (they share nothing with
@@ -12,6 +13,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event
 
@@ -23,6 +25,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
 from advisory_locks import advisory_lock
+from tests.contract.conftest import Target
 from tests.faults.conftest import inject
 from tests.helpers import backend_alive, holder_pids, unique_name, wait_for, waiter_pids
 
@@ -141,3 +144,21 @@ def test_killed_waiter_does_not_keep_the_lock_from_the_waiter_behind_it(
     threads[0].join(GRANT_SECONDS)
     assert granted == [name]
     wait_for(lambda: not backend_alive(pg_admin, dead_waiter_backend), "the dead waiter exits")
+
+
+def test_killed_holder_frees_its_lock_for_a_blocked_waiter_on_every_database_and_binding(
+    target: Target,
+) -> None:
+    # PostgreSQL, MariaDB (the server ends the dead client's session and its GET_LOCK
+    # locks) and SQLite (the OS drops a dead process's file locks), through SQLAlchemy
+    # and Django: a waiter already blocked in the server or the OS gets the lock.
+    name = unique_name("killed-blocked")
+    with target.hold_in_process(name) as holder, target.client() as client:
+        lock = client.lock(name, timeout=None)
+        waiter = ThreadPoolExecutor(max_workers=1).submit(lock.acquire)
+        wait_for(lambda: target.waiting(name), "the waiter is blocked", timeout=START_SECONDS)
+        assert not waiter.done()
+        holder.kill()
+        inject(f"process killed ({target.database})")
+        assert waiter.result(timeout=GRANT_SECONDS) is True
+        lock.release()

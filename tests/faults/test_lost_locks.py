@@ -1,14 +1,17 @@
 """A lock the server stopped holding is reported: at release at the latest, and while the
 block runs whenever it calls ``ensure_held()``.
 
-Faults: the holder's backend terminated with ``pg_terminate_backend``; the lock dropped
+Faults: the holder's connection killed (PostgreSQL ``pg_terminate_backend``, MariaDB
+``KILL CONNECTION``, SQLite's DB-API connection closed under the library); the lock dropped
 on its own connection behind the library's back (``pg_advisory_unlock_all()``); a
 transaction lock whose transaction ended inside the block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -18,7 +21,10 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from advisory_locks import AdvisoryLockError, LockLost, advisory_lock
+from tests.contract.conftest import DJANGO_ALIASES
+from tests.django_aliases import aim_django_alias
 from tests.faults.conftest import inject
+from tests.faults.servers import FaultDatabase, opened_connections
 from tests.helpers import backend_alive, holder_pids, open_bind, unique_name, wait_for
 
 pytestmark = pytest.mark.faults
@@ -45,29 +51,37 @@ def test_ensure_held_passes_while_the_server_holds_the_lock(
 
 
 @pytest.mark.parametrize("kind", BINDS)
-def test_ensure_held_raises_lock_lost_after_the_backend_was_terminated(
-    kind: str, make_engine: Callable[..., Engine], pg_admin: Admin
+def test_ensure_held_raises_lock_lost_after_the_connection_was_killed(
+    kind: str, make_engine: Callable[..., Engine], database: FaultDatabase
 ) -> None:
+    # PostgreSQL: pg_terminate_backend; MariaDB: KILL CONNECTION; SQLite: the DB-API
+    # connection closed under the library.
     name = unique_name()
-    with open_bind(kind, make_engine()) as bind:
+    engine = make_engine(database.url)
+    opened = opened_connections(engine)
+    with open_bind(kind, engine) as bind:
         lock = advisory_lock(bind, name)
         lock.acquire()
-        terminate_holder(pg_admin, name)
+        lock.ensure_held()
+        database.kill(opened)
         with pytest.raises(LockLost) as raised:
             lock.ensure_held()
         assert raised.value.name == name
         assert not lock.held
+        assert database.holder(name) is None
 
 
 @pytest.mark.parametrize("kind", BINDS)
 def test_release_after_a_loss_seen_by_ensure_held_still_raises_lock_lost(
-    kind: str, make_engine: Callable[..., Engine], pg_admin: Admin
+    kind: str, make_engine: Callable[..., Engine], database: FaultDatabase
 ) -> None:
     name = unique_name()
-    with open_bind(kind, make_engine()) as bind:
+    engine = make_engine(database.url)
+    opened = opened_connections(engine)
+    with open_bind(kind, engine) as bind:
         lock = advisory_lock(bind, name)
         lock.acquire()
-        terminate_holder(pg_admin, name)
+        database.kill(opened)
         with pytest.raises(LockLost):
             lock.ensure_held()
         with pytest.raises(LockLost):
@@ -92,19 +106,23 @@ def test_with_block_reports_a_loss_seen_by_ensure_held_once(
     assert "connection failed" in str(raised.value)
 
 
+@pytest.mark.parametrize("kind", BINDS)
 def test_block_that_never_checks_learns_the_loss_at_release(
-    make_engine: Callable[..., Engine], pg_admin: Admin
+    kind: str, make_engine: Callable[..., Engine], database: FaultDatabase
 ) -> None:
     name = unique_name()
+    engine = make_engine(database.url)
+    opened = opened_connections(engine)
     reached_end_of_block = False
     with (  # noqa: PT012
-        make_engine().connect() as connection,
+        open_bind(kind, engine) as bind,
         pytest.raises(LockLost),
-        advisory_lock(connection, name),
+        advisory_lock(bind, name),
     ):
-        terminate_holder(pg_admin, name)
+        database.kill(opened)
         reached_end_of_block = True
     assert reached_end_of_block
+    assert database.holder(name) is None
 
 
 def test_ensure_held_raises_lock_lost_when_the_lock_was_unlocked_behind_its_back(
@@ -181,3 +199,38 @@ async def test_async_ensure_held_raises_lock_lost_after_the_backend_was_terminat
                 await lock.ensure_held()
     finally:
         await engine.dispose()
+
+
+@pytest.fixture
+def django_alias(database: FaultDatabase, django_db_blocker: Any) -> Iterator[str]:
+    """The Django alias of ``database`` (tests/django_settings.py), aimed at it."""
+    from django.db import connections
+
+    alias = DJANGO_ALIASES[database.name]
+    sqlite_file = Path(database.url.database or "") if database.name == "sqlite" else None
+    aim_django_alias(alias, database.url, sqlite_file)
+    with django_db_blocker.unblock():
+        yield alias
+        connections[alias].close()
+
+
+def test_django_lock_reports_its_killed_connection_at_ensure_held_and_release(
+    django_alias: str, database: FaultDatabase
+) -> None:
+    from django.db import connections
+
+    from advisory_locks_django import advisory_lock as django_advisory_lock
+
+    name = unique_name("django-killed")
+    lock = django_advisory_lock(name, using=django_alias)
+    lock.acquire()
+    lock.ensure_held()
+    database.kill([connections[django_alias].connection])
+    with pytest.raises(LockLost):
+        lock.ensure_held()
+    with pytest.raises(LockLost):
+        lock.release()
+    # Django reconnects for the next lock; the killed session's lock is gone.
+    again = django_advisory_lock(name, using=django_alias, timeout=0)
+    assert again.acquire() is True
+    again.release()
