@@ -6,7 +6,7 @@ forced deadlock, ...) goes through :func:`inject`, so a run reports how many it 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,34 @@ def soaked(operations: int, leaked: int, lost_updates: int) -> None:
     SOAKED["operations"] += operations
     SOAKED["leaked"] += leaked
     SOAKED["lost"] += lost_updates
+
+
+def finish_soak(
+    title: str,
+    outcomes: Mapping[str, int],
+    *,
+    planned: int,
+    leaked: list[object],
+    lost_updates: int,
+    waits: int = 0,
+) -> None:
+    """Report one soak run, add it to the totals, and assert what every soak must show.
+
+    ``waits`` counts contention the outcomes do not name (waits for the counter's lock).
+    """
+    operations = sum(outcomes.values())
+    soaked(operations, len(leaked), lost_updates)
+    report(
+        f"{title}: {operations} operations, locks leaked: {len(leaked)}, "
+        f"lost updates: {lost_updates}"
+    )
+    for outcome, count in sorted(outcomes.items()):
+        report(f"  {count:6d}  {outcome}")
+    assert operations == planned
+    assert leaked == []
+    assert lost_updates == 0
+    busy = waits + sum(count for outcome, count in outcomes.items() if "busy" in outcome)
+    assert busy > 0, "the soak never contended"
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
