@@ -8,6 +8,7 @@ their own engine, never at "every advisory lock on the server".
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -141,3 +142,27 @@ def open_bind(kind: str, engine: Engine) -> Iterator[SyncBind]:
     else:
         with Session(engine) as session:
             yield session
+
+
+def run_crossed(work: Callable[[str, str], None], *, join_seconds: float) -> None:
+    """Run ``work(first, second)`` and ``work(second, first)`` in two threads at once,
+    with two fresh names; fail if either raised or is still running after the join."""
+    first, second = unique_name("first"), unique_name("second")
+    errors: list[BaseException] = []
+
+    def run(mine: str, theirs: str) -> None:
+        try:
+            work(mine, theirs)
+        except BaseException as error:  # reported by the calling thread
+            errors.append(error)
+
+    threads = [
+        threading.Thread(target=run, args=(first, second), daemon=True),
+        threading.Thread(target=run, args=(second, first), daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(join_seconds)
+    assert not any(thread.is_alive() for thread in threads)
+    assert errors == []

@@ -42,6 +42,7 @@ from tests.helpers import (
     lock_rows,
     open_bind,
     record_statements,
+    run_crossed,
     unique_name,
     wait_for,
 )
@@ -721,40 +722,26 @@ def run_crossed_locks(
     engine: Engine, *, in_transaction: bool, table: str | None = None
 ) -> list[str]:
     """Two threads each take one name, then ask for the other's; return their outcomes."""
-    first, second = unique_name("first"), unique_name("second")
     both_hold_one = threading.Barrier(2, timeout=JOIN_SECONDS)
     outcomes: list[str] = []
-    errors: list[BaseException] = []
 
     def cross(mine: str, theirs: str) -> None:
-        try:
-            with engine.connect() as connection:
-                transaction = connection.begin() if in_transaction else None
-                if table is not None:
-                    insert_note(connection, table, f"before {mine}")
-                with advisory_lock(connection, mine):
-                    both_hold_one.wait()
-                    try:
-                        with advisory_lock(connection, theirs, timeout=None):
-                            outcomes.append("granted")
-                    except LockDeadlock:
-                        outcomes.append("deadlock")
-                if transaction is not None:
-                    assert connection.scalar(text("SELECT 1")) == 1
-                    transaction.commit()
-        except BaseException as error:  # reported by the main thread
-            errors.append(error)
+        with engine.connect() as connection:
+            transaction = connection.begin() if in_transaction else None
+            if table is not None:
+                insert_note(connection, table, f"before {mine}")
+            with advisory_lock(connection, mine):
+                both_hold_one.wait()
+                try:
+                    with advisory_lock(connection, theirs, timeout=None):
+                        outcomes.append("granted")
+                except LockDeadlock:
+                    outcomes.append("deadlock")
+            if transaction is not None:
+                assert connection.scalar(text("SELECT 1")) == 1
+                transaction.commit()
 
-    threads = [
-        threading.Thread(target=cross, args=(first, second), daemon=True),
-        threading.Thread(target=cross, args=(second, first), daemon=True),
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_SECONDS)
-    assert not any(thread.is_alive() for thread in threads)
-    assert errors == []
+    run_crossed(cross, join_seconds=JOIN_SECONDS)
     return sorted(outcomes)
 
 

@@ -32,6 +32,7 @@ from tests.helpers import (
     holder_pids,
     lock_rows,
     record_statements,
+    run_crossed,
     unique_name,
     wait_for,
     waiter_pids,
@@ -47,28 +48,14 @@ def crossed(
     engine: Engine, take: Callable[[Session, str, str, threading.Barrier], str]
 ) -> list[str]:
     """Two threads take (A, B) and (B, A) with ``take``; return their sorted outcomes."""
-    first, second = unique_name("first"), unique_name("second")
     barrier = threading.Barrier(2, timeout=JOIN_SECONDS)
     outcomes: list[str] = []
-    errors: list[BaseException] = []
 
     def run(mine: str, theirs: str) -> None:
-        try:
-            with Session(engine) as session:
-                outcomes.append(take(session, mine, theirs, barrier))
-        except BaseException as error:  # reported by the main thread
-            errors.append(error)
+        with Session(engine) as session:
+            outcomes.append(take(session, mine, theirs, barrier))
 
-    threads = [
-        threading.Thread(target=run, args=(first, second), daemon=True),
-        threading.Thread(target=run, args=(second, first), daemon=True),
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_SECONDS)
-    assert not any(thread.is_alive() for thread in threads)
-    assert errors == []
+    run_crossed(run, join_seconds=JOIN_SECONDS)
     return sorted(outcomes)
 
 

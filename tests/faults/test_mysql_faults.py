@@ -19,7 +19,7 @@ from sqlalchemy.engine import URL
 from advisory_locks import advisory_lock, advisory_lock_set, current_advisory_locks
 from advisory_locks.keys import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
 from tests.faults.test_hostile_names import SETTINGS, counted
-from tests.helpers import unique_name
+from tests.helpers import run_crossed
 
 pytestmark = pytest.mark.faults
 
@@ -31,30 +31,16 @@ def test_mysql_crossed_names_taken_as_lock_sets_never_deadlock(
     make_engine: Callable[..., Engine], mysql_url: URL
 ) -> None:
     engine = make_engine(mysql_url, pool_size=4)
-    first, second = unique_name("first"), unique_name("second")
     barrier = threading.Barrier(2, timeout=JOIN_SECONDS)
-    errors: list[BaseException] = []
 
     def take(mine: str, theirs: str) -> None:
-        try:
-            with engine.connect() as connection:
-                for _ in range(25):
-                    barrier.wait()
-                    with advisory_lock_set(connection, [mine, theirs]) as locks:
-                        assert locks.held
-        except BaseException as error:  # reported by the main thread
-            errors.append(error)
+        with engine.connect() as connection:
+            for _ in range(25):
+                barrier.wait()
+                with advisory_lock_set(connection, [mine, theirs]) as locks:
+                    assert locks.held
 
-    threads = [
-        threading.Thread(target=take, args=(first, second), daemon=True),
-        threading.Thread(target=take, args=(second, first), daemon=True),
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_SECONDS)
-    assert not any(thread.is_alive() for thread in threads)
-    assert errors == []
+    run_crossed(take, join_seconds=JOIN_SECONDS)
 
 
 @pytest.fixture(scope="module")
