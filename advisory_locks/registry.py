@@ -8,6 +8,7 @@ connection would otherwise both believe they own the lock.
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ConnectionLocks", "Holding"]
 
-HoldingKey = tuple[tuple[int, ...], bool, bool]
+HoldingKey = tuple[Hashable, bool, bool]
 
 
 @dataclass(eq=False, slots=True)
@@ -49,21 +50,28 @@ class ConnectionLocks:
     backend: Backend | None = None
 
     def find(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding | None:
-        holding = self.holdings.get((key.ints, shared, transaction))
+        holding = self.holdings.get(self._entry(key, shared, transaction))
         return holding if holding is not None and holding.active else None
 
     def add(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding:
         with self.mutex:
             holding = Holding(key, shared, transaction, depth=len(self.savepoints))
-            self.holdings[(key.ints, shared, transaction)] = holding
+            self.holdings[self._entry(key, shared, transaction)] = holding
             return holding
 
     def forget(self, holding: Holding) -> None:
         with self.mutex:
             holding.active = False
-            entry_key = (holding.key.ints, holding.shared, holding.transaction)
+            entry_key = self._entry(holding.key, holding.shared, holding.transaction)
             if self.holdings.get(entry_key) is holding:
                 del self.holdings[entry_key]
+
+    def _entry(self, key: LockKey, shared: bool, transaction: bool) -> HoldingKey:
+        # What the server locks on decides which holdings are one lock: the integer key
+        # on PostgreSQL, the GET_LOCK name on MySQL (two names whose keys collide are two
+        # locks there).
+        identity = key.ints if self.backend is None else self.backend.lock_identity(key)
+        return identity, shared, transaction
 
     def session_holdings(self) -> list[Holding]:
         return [h for h in self.holdings.values() if not h.transaction] + self.pending_release

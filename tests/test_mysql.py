@@ -137,6 +137,23 @@ def test_release_after_the_connection_was_killed_raises_lock_lost(
             lock.release()
 
 
+def test_names_whose_keys_collide_are_two_locks_on_one_connection(
+    mysql_engine: Engine,
+) -> None:
+    # GET_LOCK locks names: two names with the same rails (CRC32) key must not be counted
+    # as one re-entrant lock, which would leave the second one unlocked on the server.
+    first, second = "job:ecf5d2a9e70c", "job:88c08bef7e3f"
+    assert derive_key(first, scheme="rails").ints == derive_key(second, scheme="rails").ints
+    with (
+        mysql_engine.connect() as connection,
+        mysql_engine.connect() as rival,
+        advisory_lock(connection, first, key_scheme="rails"),
+    ):
+        with advisory_lock(connection, second, key_scheme="rails"):
+            assert advisory_lock(rival, second, key_scheme="rails", timeout=0).acquire() is False
+        assert advisory_lock(rival, first, key_scheme="rails", timeout=0).acquire() is False
+
+
 def test_a_busy_lock_inside_a_transaction_leaves_the_transaction_usable(
     mysql_engine: Engine,
 ) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
@@ -73,6 +73,9 @@ class Backend(Protocol):
         ``in_transaction`` tells whether the connection is inside a transaction the
         caller owns: then a failed wait must leave that transaction usable.
         """
+
+    def lock_identity(self, key: LockKey) -> Hashable:
+        """What the server locks on for ``key``: equal identities are one lock."""
 
     def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
         """Give back a session lock; False when the server says it did not hold it."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections.abc import Hashable
 from typing import Any, Final
 
 from advisory_locks.backends.base import Executor, LockedRow, Timeout
@@ -157,6 +158,11 @@ class MySQLBackend:
                 f"GET_LOCK for {key.name!r} returned NULL: the wait was interrupted"
             )
         return bool(granted)
+
+    def lock_identity(self, key: LockKey) -> Hashable:
+        # GET_LOCK locks names, not keys: two names whose keys collide (easy with the
+        # rails scheme's CRC32) are two different locks here.
+        return server_lock_name(key)
 
     def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
         # 0: another session holds it; NULL: nobody does. Either way it was not ours.

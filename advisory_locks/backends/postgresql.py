@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Hashable
 from functools import cache
 from typing import Final
 
@@ -158,6 +159,9 @@ class PostgresBackend:
             mode="ShareLock" if shared else "ExclusiveLock",
         )
         executor.fetch_value(sql, [*key.ints, *key.pg_locks_ids()])
+
+    def lock_identity(self, key: LockKey) -> Hashable:
+        return key.ints
 
     def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
         function = "advisory_unlock_shared" if shared else "advisory_unlock"

@@ -23,6 +23,7 @@ import os
 import sqlite3
 import sys
 import time
+from collections.abc import Hashable
 from pathlib import Path
 from typing import IO, Any, Final
 
@@ -94,6 +95,9 @@ class SQLiteBackend:
             return False
         files[(key.ints, shared)] = handle
         return True
+
+    def lock_identity(self, key: LockKey) -> Hashable:
+        return key.ints  # the lock file is named after the key
 
     def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
         handle = _open_files(executor).pop((key.ints, shared), None)
