@@ -8,7 +8,9 @@ so sync and async locks cannot drift apart.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
@@ -77,6 +79,7 @@ class AdvisoryLock:
         "_count",
         "_holding",
         "_lease",
+        "_owner",
         "_site",
         "key_info",
         "shared",
@@ -101,6 +104,7 @@ class AdvisoryLock:
         self.shared = shared
         self.transaction = transaction
         self._count = 0
+        self._owner: tuple[int, int] | None = None
         self._lease: Lease | None = None
         self._holding: Holding | None = None
 
@@ -121,11 +125,33 @@ class AdvisoryLock:
 
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
+        self._claim()
         if self._count and self._holding is not None and self._holding.active:
             self._count += 1
             self._holding.count += 1
             return True
         self._count = 0
+        try:
+            return self._acquire_once()
+        finally:
+            if not self._count:
+                self._owner = None
+
+    def _claim(self) -> None:
+        # A lock object's own count stands for one holder. Shared by two threads (a
+        # module-level lock used like threading.Lock) or two asyncio tasks, the second
+        # would count itself in without any lock on its own connection: refuse instead.
+        owner = _current_owner()
+        with _CLAIMS:
+            if self._owner is not None and self._owner != owner:
+                raise AdvisoryLockError(
+                    f"advisory lock object {self.name!r} is in use by another thread or "
+                    "task; make one lock object per use (call advisory_lock(...) where "
+                    "the lock is needed)"
+                )
+            self._owner = owner
+
+    def _acquire_once(self) -> bool:
         lease = self._site.lease(transaction=self.transaction)
         options = {"shared": self.shared, "transaction": self.transaction}
         holding = lease.locks.find(self.key_info, **options)
@@ -161,6 +187,7 @@ class AdvisoryLock:
         if self._count:
             return
         self._holding = self._lease = None
+        self._owner = None
         if holding.count > 0:
             lease.done()
             return
@@ -507,3 +534,13 @@ def not_acquired_error(name: LockName, timeout: Timeout) -> LockNotAcquired:
             name=name,
         )
     return LockTimeout(f"advisory lock {name!r} was not granted within {timeout} s", name=name)
+
+
+_CLAIMS = threading.Lock()
+
+
+def _current_owner() -> tuple[int, int]:
+    """The thread, and the asyncio task within it (0 outside one), asking for a lock."""
+    loop = asyncio._get_running_loop()
+    task = None if loop is None else asyncio.current_task(loop)
+    return threading.get_ident(), 0 if task is None else id(task)

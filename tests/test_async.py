@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from advisory_locks import (
+    AdvisoryLockError,
     AsyncAdvisoryLock,
     LockDeadlock,
     LockLost,
@@ -163,6 +164,31 @@ async def test_advisory_lock_on_an_async_bind_is_an_async_advisory_lock(
     async with async_engine.connect() as connection, AsyncSession(async_engine) as session:
         for bind in (async_engine, connection, session):
             assert isinstance(advisory_lock(bind, name), AsyncAdvisoryLock)
+
+
+async def test_one_lock_object_shared_by_two_tasks_refuses_the_second(
+    async_engine: AsyncEngine, pg_admin: psycopg.Connection[TupleRow], name: str
+) -> None:
+    # Counted per object, a second task would count itself in without any lock of its own.
+    lock = advisory_lock(async_engine, name)
+    holding = asyncio.Event()
+    done = asyncio.Event()
+
+    async def hold() -> None:
+        async with lock:
+            holding.set()
+            await done.wait()
+
+    holder_task = asyncio.create_task(hold())
+    await holding.wait()
+    try:
+        with pytest.raises(AdvisoryLockError, match="another thread or task"):
+            await lock.acquire()
+        assert len(rows_for(pg_admin, name)) == 1
+    finally:
+        done.set()
+        await holder_task
+    assert rows_for(pg_admin, name) == []
 
 
 async def test_exception_in_the_block_releases_the_lock(

@@ -142,6 +142,33 @@ def test_releasing_a_lock_twice_raises_advisory_lock_error(bind: SyncBind) -> No
         lock.release()
 
 
+def test_one_lock_object_held_in_one_thread_refuses_another_thread(
+    pg_engine: Engine, pg_admin: psycopg.Connection[TupleRow]
+) -> None:
+    # A module-level lock used like threading.Lock: the second thread must not count
+    # itself into the first thread's hold without a lock on its own connection.
+    name = unique_name()
+    lock = advisory_lock(pg_engine, name)
+    outcome: list[BaseException | bool] = []
+
+    def other_thread() -> None:
+        try:
+            outcome.append(lock.acquire())
+        except AdvisoryLockError as error:
+            outcome.append(error)
+
+    with lock:
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(JOIN_SECONDS)
+        assert len(holder_pids(pg_admin, name)) == 1
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], AdvisoryLockError)
+    assert lock_rows(pg_admin, name) == []
+    with lock:  # free again once its holder released it
+        assert lock.held
+
+
 def test_current_advisory_locks_lists_the_names_held_through_the_bind(bind: SyncBind) -> None:
     first, second = unique_name("first"), unique_name("second")
     with advisory_lock(bind, first), advisory_lock(bind, second):
