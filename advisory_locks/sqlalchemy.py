@@ -15,6 +15,7 @@ session lock on it is unlocked before anyone else can check it out, or discarded
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeAlias, overload
@@ -28,9 +29,15 @@ from sqlalchemy.sql.expression import SavepointClause
 from sqlalchemy.util import greenlet_spawn
 
 from advisory_locks.backends import Backend, backend_for_dialect
-from advisory_locks.backends.base import Executor, Timeout, validate_flags
+from advisory_locks.backends.base import (
+    Executor,
+    HoldsLocksClientSide,
+    Timeout,
+    validate_flags,
+)
 from advisory_locks.errors import UnsupportedFeature
 from advisory_locks.executors import (
+    STATE_INFO_KEY,
     driver_autocommit,
     executor_for,
     protocol_session_id,
@@ -46,6 +53,8 @@ from advisory_locks.lock import (
     LockSite,
 )
 from advisory_locks.registry import ConnectionLocks
+
+logger = logging.getLogger("advisory_locks")
 
 if TYPE_CHECKING:
     from sqlalchemy.engine.interfaces import DBAPIConnection
@@ -625,11 +634,69 @@ def _locks_of(connection: Connection) -> ConnectionLocks | None:
 
 
 @event.listens_for(Engine, "commit")
-@event.listens_for(Engine, "rollback")
-def _transaction_ended(connection: Connection) -> None:
+def _transaction_committed(connection: Connection) -> None:
     locks = _locks_of(connection)
     if locks is not None:
         locks.transaction_ended()
+
+
+@event.listens_for(Engine, "rollback")
+def _transaction_rolled_back(connection: Connection) -> None:
+    locks = _locks_of(connection)
+    if locks is None:
+        return
+    locks.transaction_ended()
+    if not locks.pending_release:
+        return
+    # Unlocks that the failed transaction postponed can run once it has ended, but
+    # SQLAlchemy announces a rollback before sending it: end the transaction here (the
+    # rollback SQLAlchemy then sends is harmless, and session unlocks survive it), so
+    # the locks are not held while the connection sits idle. If this fails, the next
+    # transaction's begin or the pool's checkin finishes them.
+    fairy = connection.connection
+    dbapi_connection = fairy.dbapi_connection
+    if dbapi_connection is None:
+        return
+    try:
+        dbapi_connection.rollback()
+        _release_session_locks(
+            locks, dbapi_connection, fairy.driver_connection, fairy.info, pending_only=True
+        )
+    except Exception:
+        logger.debug("postponed unlocks wait for the next transaction", exc_info=True)
+
+
+@event.listens_for(Pool, "invalidate")
+def _connection_invalidated(
+    dbapi_connection: DBAPIConnection | None,
+    record: ConnectionPoolEntry,
+    exception: BaseException | None,
+) -> None:
+    _connection_gone(record.info)
+
+
+@event.listens_for(Pool, "close")
+def _connection_closed(
+    dbapi_connection: DBAPIConnection | None, record: ConnectionPoolEntry
+) -> None:
+    _connection_gone(record.info)
+
+
+def _connection_gone(info: dict[Any, Any]) -> None:
+    # The server lets go of a closed session's locks; forget them too, so a release
+    # reports LockLost instead of reaching for a connection that is gone, and let a
+    # backend that holds locks in this process (SQLite's files) free them now rather
+    # than when the pool reuses the slot.
+    locks = info.get(LOCKS_INFO_KEY)
+    if not isinstance(locks, ConnectionLocks):
+        return
+    for holding in [*locks.holdings.values(), *locks.pending_release]:
+        locks.forget(holding)
+    locks.pending_release.clear()
+    locks.savepoints.clear()
+    backend: object = locks.backend
+    if isinstance(backend, HoldsLocksClientSide):
+        backend.connection_closed(info.get(STATE_INFO_KEY, {}))
 
 
 @event.listens_for(Engine, "begin")

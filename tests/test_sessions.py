@@ -839,6 +839,30 @@ def fail_inside_a_locked_transaction(connection: Connection, name: str) -> None:
         connection.execute(text("SELECT 1/0"))
 
 
+def test_lock_released_in_a_failed_transaction_is_freed_by_that_transactions_rollback(
+    pg_engine: Engine, pg_admin: Admin
+) -> None:
+    # A worker that keeps its connection and goes idle must not keep blocking others.
+    name = unique_name()
+    with pg_engine.connect() as connection:
+        fail_inside_a_locked_transaction(connection, name)
+        assert lock_rows(pg_admin, name) == []
+        assert not connection.in_transaction()
+
+
+def test_release_after_the_connection_was_invalidated_raises_lock_lost(
+    pg_engine: Engine, pg_admin: Admin
+) -> None:
+    name = unique_name()
+    with pg_engine.connect() as connection:
+        lock = advisory_lock(connection, name)
+        lock.acquire()
+        connection.invalidate()
+        assert lock_rows(pg_admin, name) == []
+        with pytest.raises(LockLost):
+            lock.release()
+
+
 def test_lock_released_in_a_failed_transaction_is_freed_when_the_connection_is_next_used(
     pg_engine: Engine, pg_admin: Admin
 ) -> None:

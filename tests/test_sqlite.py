@@ -62,3 +62,22 @@ def test_listing_locks_is_refused_and_points_to_the_lock_files(tmp_path: Path) -
         with pytest.raises(UnsupportedFeature, match="lsof"):
             backend_for_dialect("sqlite").list_locks(executor)
     engine.dispose()
+
+
+def test_invalidating_the_connection_frees_its_locks_at_once(tmp_path: Path) -> None:
+    # Not when the pool next reuses the slot: another process or engine may be waiting.
+    database = tmp_path / "app.sqlite"
+    engine, other_engine = (
+        create_engine(f"sqlite:///{database}"),
+        create_engine(f"sqlite:///{database}"),
+    )
+    with engine.connect() as connection:
+        lock = advisory_lock(connection, "job")
+        lock.acquire()
+        connection.invalidate()
+        with other_engine.connect() as other:
+            rival = advisory_lock(other, "job", timeout=0)
+            assert rival.acquire() is True
+            rival.release()
+    engine.dispose()
+    other_engine.dispose()
