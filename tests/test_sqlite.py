@@ -81,3 +81,20 @@ def test_invalidating_the_connection_frees_its_locks_at_once(tmp_path: Path) -> 
             rival.release()
     engine.dispose()
     other_engine.dispose()
+
+
+def test_two_connections_of_one_process_exclude_each_other_whatever_portalockers_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # lockf locks belong to the process: if the library followed portalocker's
+    # process-wide default, code elsewhere switching it would let both connections in.
+    fcntl = pytest.importorskip("fcntl", reason="flock and lockf are POSIX")
+    import portalocker.portalocker
+
+    monkeypatch.setattr(portalocker.portalocker, "LOCKER", fcntl.lockf)
+    database = tmp_path / "app.sqlite"
+    first, second = create_engine(f"sqlite:///{database}"), create_engine(f"sqlite:///{database}")
+    with first.connect() as holder, second.connect() as rival, advisory_lock(holder, "job"):
+        assert advisory_lock(rival, "job", timeout=0).acquire() is False
+    first.dispose()
+    second.dispose()

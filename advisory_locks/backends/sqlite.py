@@ -104,7 +104,7 @@ class SQLiteBackend:
         if handle is None:
             return False
         try:
-            portalocker.unlock(handle)
+            _LOCKER.unlock(handle)
         finally:
             handle.close()  # closing frees the lock even if the unlock failed
         # The locks end with their connection, as a server's do; a binding that learns of a
@@ -205,17 +205,25 @@ def _file_name(key: LockKey) -> str:
 
 _PLACEHOLDER_KEY: Final = LockKey(0, (0,))
 
+# flock, pinned: its locks belong to an open file, so two connections of one process
+# (each opening its own lock file) exclude each other. portalocker.lock() would follow
+# the process-wide portalocker.LOCKER, and code elsewhere switching that to lockf (whose
+# locks belong to the process) would silently let two connections of a process in.
+_LOCKER: Final[Any] = (
+    portalocker.portalocker.FlockLocker() if os.name == "posix" else portalocker  # LockFileEx
+)
+
 
 def _lock(handle: IO[bytes], *, shared: bool, timeout: Timeout) -> bool:
     mode = portalocker.LockFlags.SHARED if shared else portalocker.LockFlags.EXCLUSIVE
     if timeout is None:
-        portalocker.lock(handle, mode)  # the operating system does the waiting
+        _LOCKER.lock(handle, mode)  # the operating system does the waiting
         return True
     deadline = time.monotonic() + timeout
     pause = FIRST_POLL_SECONDS
     while True:
         try:
-            portalocker.lock(handle, mode | portalocker.LockFlags.NON_BLOCKING)
+            _LOCKER.lock(handle, mode | portalocker.LockFlags.NON_BLOCKING)
         except portalocker.AlreadyLocked:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
