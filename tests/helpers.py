@@ -166,3 +166,36 @@ def run_crossed(work: Callable[[str, str], None], *, join_seconds: float) -> Non
         thread.join(join_seconds)
     assert not any(thread.is_alive() for thread in threads)
     assert errors == []
+
+
+class BlockedWaiter:
+    """A thread that takes ``name`` on its own connection of ``engine`` with no timeout.
+
+    ``waiting`` is set just before it asks, ``granted`` once it holds the lock (which it
+    then gives back); ``finished()`` joins it and fails if it hung or raised.
+    """
+
+    def __init__(self, engine: Engine, name: LockName) -> None:
+        self.waiting, self.granted = threading.Event(), threading.Event()
+        self.errors: list[BaseException] = []
+        self._engine, self._name = engine, name
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from advisory_locks import advisory_lock
+
+        try:
+            with self._engine.connect() as connection:
+                self.waiting.set()
+                with advisory_lock(connection, self._name, timeout=None):
+                    self.granted.set()
+        except BaseException as error:  # reported by the calling thread
+            self.errors.append(error)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finished(self, join_seconds: float) -> None:
+        self.thread.join(join_seconds)
+        assert not self.thread.is_alive()
+        assert self.errors == []

@@ -29,6 +29,7 @@ from advisory_locks import (
 from advisory_locks.keys import LockName, derive_key
 from advisory_locks.sqlalchemy import SyncBind
 from tests.helpers import (
+    BlockedWaiter,
     advisory_statements,
     holder_pids,
     lock_rows,
@@ -284,32 +285,18 @@ def test_blocked_waiter_gets_the_lock_when_the_holder_releases(
     bind: SyncBind, waiter_engine: Engine, pg_admin: psycopg.Connection[TupleRow]
 ) -> None:
     name = unique_name()
-    waiting, granted = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def wait_for_the_lock() -> None:
-        try:
-            with waiter_engine.connect() as connection:
-                waiting.set()
-                with advisory_lock(connection, name, timeout=None):
-                    granted.set()
-        except BaseException as error:  # reported by the main thread
-            errors.append(error)
-
-    waiter = threading.Thread(target=wait_for_the_lock, daemon=True)
+    waiter = BlockedWaiter(waiter_engine, name)
     holder = advisory_lock(bind, name)
     holder.acquire()
     try:
         waiter.start()
-        assert waiting.wait(JOIN_SECONDS)
+        assert waiter.waiting.wait(JOIN_SECONDS)
         wait_for(lambda: len(waiter_pids(pg_admin, name)) == 1, "the waiter queues on the server")
-        assert not granted.is_set()
+        assert not waiter.granted.is_set()
     finally:
         holder.release()
-    waiter.join(JOIN_SECONDS)
-    assert not waiter.is_alive()
-    assert errors == []
-    assert granted.is_set()
+    waiter.finished(JOIN_SECONDS)
+    assert waiter.granted.is_set()
 
 
 # -- re-entrancy ---------------------------------------------------------------------------

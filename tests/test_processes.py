@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import threading
 import uuid
 from collections.abc import Iterator
 from multiprocessing.context import SpawnProcess
@@ -23,7 +22,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
 
 from advisory_locks import advisory_lock
-from tests.helpers import unique_name, wait_for, waiter_pids
+from tests.helpers import BlockedWaiter, unique_name, wait_for, waiter_pids
 
 SPAWN = multiprocessing.get_context("spawn")
 # A spawned child imports SQLAlchemy and the library before it can do anything.
@@ -130,30 +129,16 @@ def test_killed_holder_process_frees_its_lock_for_a_blocked_waiter(
     name = unique_name()
     holder, _ = start_holder(children, postgres_url, name)
     waiter_engine = create_engine(postgres_url)
-    waiting, granted = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def wait_for_the_lock() -> None:
-        try:
-            with waiter_engine.connect() as connection:
-                waiting.set()
-                with advisory_lock(connection, name, timeout=None):
-                    granted.set()
-        except BaseException as error:  # reported by the main thread
-            errors.append(error)
-
-    waiter = threading.Thread(target=wait_for_the_lock, daemon=True)
+    waiter = BlockedWaiter(waiter_engine, name)
     try:
         waiter.start()
-        assert waiting.wait(START_SECONDS)
+        assert waiter.waiting.wait(START_SECONDS)
         wait_for(lambda: len(waiter_pids(pg_admin, name)) == 1, "the waiter queues on the server")
         assert holder.pid is not None
         os.kill(holder.pid, signal.SIGKILL)
         # Generous: this asserts that the waiter gets the lock, not how fast.
-        waiter.join(10)
-        assert not waiter.is_alive()
-        assert errors == []
-        assert granted.is_set()
+        waiter.finished(10)
+        assert waiter.granted.is_set()
         # The kernel closes a dying process's sockets before it becomes reapable, so the
         # waiter can be granted the lock an instant before the holder's exit is visible.
         holder.join(START_SECONDS)
