@@ -21,7 +21,7 @@ from django.db import connections
 from sqlalchemy.engine import URL
 
 from advisory_locks import LockLost
-from advisory_locks.backends.mysql import server_lock_name
+from advisory_locks._dialects.mysql import server_lock_name
 from advisory_locks.keys import derive_key, lock_key
 from advisory_locks_django import advisory_lock
 from tests.databases import pymysql_connect
