@@ -38,16 +38,16 @@ __all__ = [
     "register_binding",
 ]
 
-# The binding module to import for a bind whose class comes from this top-level package.
-BINDING_MODULES: Final = {
-    "sqlalchemy": "advisory_locks._bindings.sqlalchemy",
-    "psycopg": "advisory_locks._bindings.psycopg",
-    "psycopg_pool": "advisory_locks._bindings.psycopg",
-    "psycopg2": "advisory_locks._bindings.psycopg2",
-    "asyncpg": "advisory_locks._bindings.asyncpg",
-    "pymysql": "advisory_locks._bindings.mysql",
-    "MySQLdb": "advisory_locks._bindings.mysql",
-    "sqlite3": "advisory_locks._bindings.sqlite3",
+# The binding modules to import for a bind whose class comes from this top-level package.
+BINDING_MODULES: Final[dict[str, tuple[str, ...]]] = {
+    "sqlalchemy": ("advisory_locks._bindings.sqlalchemy",),
+    "psycopg": ("advisory_locks._bindings.psycopg",),
+    "psycopg_pool": ("advisory_locks._bindings.psycopg",),
+    "psycopg2": ("advisory_locks._bindings.psycopg2",),
+    "asyncpg": ("advisory_locks._bindings.asyncpg",),
+    "pymysql": ("advisory_locks._bindings.mysql",),
+    "MySQLdb": ("advisory_locks._bindings.mysql",),
+    "sqlite3": ("advisory_locks._bindings.sqlite3",),
 }
 
 
@@ -85,17 +85,17 @@ def binding_for(bind: object) -> Binding:
         return binding
     binding = _registered_for(cls)
     if binding is None:
-        module = BINDING_MODULES.get(cls.__module__.partition(".")[0])
-        if module is not None:
-            with _first_use:
-                # Importing registers; one thread at a time, so no thread sees a module
-                # that another is still importing.
+        modules = BINDING_MODULES.get(cls.__module__.partition(".")[0], ())
+        with _first_use:
+            # Importing registers; one thread at a time, so no thread sees a module that
+            # another is still importing.
+            for module in modules:
                 try:
                     importlib.import_module(module)
                 except ModuleNotFoundError as error:
                     if error.name != module:
                         raise
-            binding = _registered_for(cls)
+        binding = _registered_for(cls)
     if binding is None:
         raise TypeError(
             "bind must be a SQLAlchemy Session, Connection or Engine (or an async one), a "
