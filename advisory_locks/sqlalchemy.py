@@ -49,13 +49,12 @@ class AdvisoryLockSessionMixin:
     ) -> AdvisoryLock:
         """[advisory_lock][advisory_locks.advisory_lock] with this Session as the bind.
 
-        Args:
-            name: the lock name.
-            timeout: ``None`` waits, ``0`` never waits, ``t`` waits at most ``t`` seconds.
-            shared: a shared (reader) lock.
-            transaction: held until this Session's transaction ends.
-            key_scheme: how a ``str`` name becomes a key.
-            key_prefix: a namespace for ``str`` names.
+        :param name: the lock name.
+        :param timeout: ``None`` waits, ``0`` never waits, ``t`` waits at most ``t`` seconds.
+        :param shared: a shared (reader) lock.
+        :param transaction: held until this Session's transaction ends.
+        :param key_scheme: how a ``str`` name becomes a key.
+        :param key_prefix: a namespace for ``str`` names.
         """
         assert isinstance(self, Session), "AdvisoryLockSessionMixin needs a Session subclass"
         return advisory_lock(
@@ -90,13 +89,12 @@ class AsyncAdvisoryLockSession(AsyncSession):
     ) -> AsyncAdvisoryLock:
         """[advisory_lock][advisory_locks.advisory_lock] with this AsyncSession as the bind.
 
-        Args:
-            name: the lock name.
-            timeout: ``None`` waits, ``0`` never waits, ``t`` waits at most ``t`` seconds.
-            shared: a shared (reader) lock.
-            transaction: held until this Session's transaction ends.
-            key_scheme: how a ``str`` name becomes a key.
-            key_prefix: a namespace for ``str`` names.
+        :param name: the lock name.
+        :param timeout: ``None`` waits, ``0`` never waits, ``t`` waits at most ``t`` seconds.
+        :param shared: a shared (reader) lock.
+        :param transaction: held until this Session's transaction ends.
+        :param key_scheme: how a ``str`` name becomes a key.
+        :param key_prefix: a namespace for ``str`` names.
         """
         return advisory_lock(
             self,
