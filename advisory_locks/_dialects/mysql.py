@@ -55,8 +55,9 @@ SHARED_REFUSED: Final = (
 )
 TRANSACTION_REFUSED: Final = (
     "MySQL and MariaDB have no transaction-scoped named locks: COMMIT and ROLLBACK do not "
-    "release GET_LOCK. Take a session lock (transaction=False) around the transaction "
-    "instead: `with advisory_lock(session, name): ... session.commit()`"
+    "release GET_LOCK. Take a session lock (transaction=False) that spans the whole "
+    "transaction instead: acquire it before the transaction begins and release it after "
+    "the commit or rollback"
 )
 
 # performance_schema lists user locks on MySQL 5.7+ and on MariaDB with it switched on;
