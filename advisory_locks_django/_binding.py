@@ -21,7 +21,6 @@ interpreters that collect later.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,11 +62,6 @@ REGISTRY_ATTRIBUTE: Final = "_advisory_locks"
 # locks this process holds, whichever thread holds them.
 _registries: weakref.WeakSet[DjangoConnectionLocks] = weakref.WeakSet()
 
-# Told of every lock the server gave back, with the reason (the app's signals subscribe;
-# the bookkeeping itself sends nothing).
-ReleaseListener = Callable[["DjangoConnectionLocks", Holding, float, str], None]
-release_listeners: list[ReleaseListener] = []
-
 
 def backend_for_alias(alias: str) -> Backend:
     """The dialect backend for a database alias (raises UnsupportedDatabase)."""
@@ -81,7 +75,6 @@ class DjangoConnectionLocks(ConnectionState):
     alias: str = "default"
     dbapi_connection: Any = None
     wrapper: weakref.ReferenceType[BaseDatabaseWrapper] | None = None
-    granted_at: dict[Holding, float] = field(default_factory=dict)
     executor: DjangoExecutor | None = None
     # The run_on_commit callback that watches each transaction lock.
     commit_hooks: dict[Holding, weakref.ReferenceType[Callable[[], None]]] = field(
@@ -90,7 +83,6 @@ class DjangoConnectionLocks(ConnectionState):
 
     def add(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding:
         holding = super().add(key, shared=shared, transaction=transaction)
-        self.granted_at[holding] = time.monotonic()
         if transaction:
             self._watch_transaction(holding)
         return holding
@@ -98,17 +90,6 @@ class DjangoConnectionLocks(ConnectionState):
     def forget(self, holding: Holding) -> None:
         super().forget(holding)
         self.commit_hooks.pop(holding, None)
-
-    def released(self, holding: Holding, reason: str) -> None:
-        """The server no longer holds ``holding``: forget it and say so."""
-        if holding.active:
-            self.forget(holding)
-        granted_at = self.granted_at.pop(holding, None)
-        if granted_at is None:
-            return  # already reported
-        held = time.monotonic() - granted_at
-        for listener in release_listeners:
-            listener(self, holding, held, reason)
 
     def _watch_transaction(self, holding: Holding) -> None:
         wrapper = self.wrapper() if self.wrapper is not None else None
@@ -119,7 +100,7 @@ class DjangoConnectionLocks(ConnectionState):
         def ended(reason: str) -> None:
             locks = registry()
             if locks is not None:
-                locks.released(holding, reason)
+                locks.end(holding, reason)
 
         def advisory_lock_committed() -> None:
             ended("commit")
@@ -138,12 +119,7 @@ class DjangoConnectionLocks(ConnectionState):
         for holding, hook in list(self.commit_hooks.items()):
             callback = hook()
             if callback is None or id(callback) not in pending or not wrapper.in_atomic_block:
-                self.released(holding, "rollback")
-
-    def django_connection_gone(self) -> None:
-        """Django closed or replaced the DB-API connection; the server let go of all."""
-        for holding in self.connection_gone():
-            self.released(holding, "connection_closed")
+                self.end(holding, "rollback")
 
 
 def connection_locks(
@@ -154,7 +130,8 @@ def connection_locks(
     locks = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
     if not isinstance(locks, DjangoConnectionLocks) or locks.dbapi_connection is not dbapi:
         if isinstance(locks, DjangoConnectionLocks):
-            locks.django_connection_gone()
+            # Django closed or replaced the DB-API connection; the server let go of all.
+            locks.connection_gone()
         locks = DjangoConnectionLocks(
             alias=wrapper.alias, dbapi_connection=dbapi, wrapper=weakref.ref(wrapper)
         )
@@ -182,8 +159,7 @@ def observe_connection(wrapper: BaseDatabaseWrapper) -> None:
 
 def release_pending(locks: DjangoConnectionLocks, executor: DjangoExecutor) -> None:
     """Unlock the session locks whose release waited for a failed transaction to end."""
-    for holding in run_steps(finish_pending_releases(locks, executor)):
-        locks.released(holding, "unlock")
+    run_steps(finish_pending_releases(locks, executor))
 
 
 def held_keys(alias: str) -> list[LockKey]:
@@ -226,12 +202,18 @@ class DjangoSite:
     """Locks on one database alias, on the connection of the thread that takes them."""
 
     __slots__ = ("alias", "backend", "last_borrow")
+    binding = "django"
 
     def __init__(self, alias: str) -> None:
         self.alias = alias
         self.backend = backend_for_alias(alias)
         # The borrow of the latest acquire, so the caller can find what it was granted.
         self.last_borrow: DjangoBorrow | None = None
+
+    @property
+    def database(self) -> str:
+        """The alias, as lock events name the database."""
+        return self.alias
 
     def borrow(self, *, transaction: bool) -> DjangoBorrow:
         self.last_borrow = DjangoBorrow(self, connections[self.alias], transaction=transaction)

@@ -2,8 +2,9 @@
 
 The lock itself is the core's ``AdvisoryLock`` on a
 ``DjangoSite`` (``advisory_locks_django._binding``); this module adds what Django code
-expects around it: defaults from settings, ``atomic()`` for ``transaction=True``, signals,
-names computed from a decorated function's arguments, and ``async`` support.
+expects around it: defaults from settings, ``atomic()`` for ``transaction=True``, names
+computed from a decorated function's arguments, and ``async`` support. Its signals are
+the core's lock events, forwarded (``advisory_locks_django.signals``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import functools
 import inspect
 import string
-import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Final, TypeVar, cast
@@ -21,7 +21,6 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import transaction as django_transaction
 
 from advisory_locks._core.advisory import AdvisoryLock
-from advisory_locks._core.connection import Holding
 from advisory_locks._core.contract import (
     LockOptions,
     Timeout,
@@ -29,17 +28,10 @@ from advisory_locks._core.contract import (
     validate_flags,
     validate_timeout,
 )
-from advisory_locks.errors import (
-    LockDeadlock,
-    LockLost,
-    LockNotAcquired,
-    LockTimeout,
-    UnsupportedFeature,
-)
-from advisory_locks.keys import LockKey, LockName, derive_key
-from advisory_locks_django import _binding, signals
+from advisory_locks.errors import LockNotAcquired, UnsupportedFeature
+from advisory_locks.keys import LockName, derive_key
+from advisory_locks_django import signals
 from advisory_locks_django._binding import (
-    DjangoConnectionLocks,
     DjangoExecutor,
     DjangoSite,
     connection_locks,
@@ -101,7 +93,6 @@ class DjangoAdvisoryLock:
 
     __slots__ = (
         "_atomics",
-        "_holdings",
         "_lock",
         "_name",
         "_site",
@@ -143,7 +134,6 @@ class DjangoAdvisoryLock:
         self.key_prefix = defaults.key_prefix if key_prefix is None else key_prefix
         self._name = name
         self._atomics: list[django_transaction.Atomic | None] = []
-        self._holdings: list[tuple[DjangoConnectionLocks, Holding]] = []
         self._lock: AdvisoryLock | None = None
         self._site = DjangoSite(using)
         if not callable(name):
@@ -178,29 +168,17 @@ class DjangoAdvisoryLock:
                 )
             atomic = django_transaction.atomic(using=self.using)
             atomic.__enter__()
-        started = time.monotonic()
         try:
             granted = lock.acquire()
         except BaseException as error:
             if atomic is not None:
                 atomic.__exit__(type(error), error, error.__traceback__)
-            self._send_failed(lock.key_info, started, error)
             raise
         if not granted:
             if atomic is not None:
                 atomic.__exit__(None, None, None)
-            self._send_failed(lock.key_info, started, None)
             return False
-        borrow = self._site.last_borrow
-        assert borrow is not None
-        locks = borrow.registry
-        holding = locks.find(lock.key_info, shared=self.shared, transaction=self.transaction)
-        assert holding is not None
         self._atomics.append(atomic)
-        self._holdings.append((locks, holding))
-        if locks.granted_at.get(holding, 0.0) >= started:
-            # Granted by the server just now, not counted on a lock this connection held.
-            self._send(signals.lock_acquired, waited=time.monotonic() - started)
         return True
 
     def release(self) -> None:
@@ -212,13 +190,7 @@ class DjangoAdvisoryLock:
 
         One round trip on the lock's connection: call it before an irreversible step.
         """
-        try:
-            self._core().ensure_held()
-        except LockLost:
-            if self._holdings:
-                locks, holding = self._holdings[-1]
-                locks.released(holding, "lost")
-            raise
+        self._core().ensure_held()
 
     def _release(
         self,
@@ -227,19 +199,12 @@ class DjangoAdvisoryLock:
         traceback: TracebackType | None,
     ) -> None:
         lock = self._core()
-        if not self._holdings:
+        if not self._atomics:
             lock.release()  # raises the core's "not held" error
             return
-        locks, holding = self._holdings.pop()
         atomic = self._atomics.pop()
         try:
-            try:
-                lock.release()
-            except LockLost:
-                locks.released(holding, "lost")
-                raise
-            if not holding.active and holding not in locks.pending_release:
-                locks.released(holding, "unlock")
+            lock.release()
         except BaseException as error:
             if atomic is not None:
                 atomic.__exit__(type(error), error, error.__traceback__)
@@ -390,30 +355,6 @@ class DjangoAdvisoryLock:
     def _not_acquired(self) -> LockNotAcquired:
         return not_acquired_error(self.name, self.timeout)
 
-    def _send(self, signal: Any, **extra: Any) -> None:
-        signals.send(
-            signal,
-            DjangoAdvisoryLock,
-            self._core().key_info,
-            using=self.using,
-            shared=self.shared,
-            transaction=self.transaction,
-            **extra,
-        )
-
-    def _send_failed(self, key: LockKey, started: float, error: BaseException | None) -> None:
-        if error is None:
-            reason = "timeout" if self.timeout else "busy"
-        elif isinstance(error, LockDeadlock):
-            reason = "deadlock"
-        elif isinstance(error, LockTimeout):
-            reason = "timeout"
-        else:
-            reason = "error"
-        self._send(
-            signals.lock_failed, waited=time.monotonic() - started, reason=reason, error=error
-        )
-
     def __repr__(self) -> str:
         if self._lock is None:
             return f"<DjangoAdvisoryLock {self._name!r} using={self.using!r}>"
@@ -459,19 +400,5 @@ def _name_factory(
     return format_name
 
 
-def _send_released(
-    locks: DjangoConnectionLocks, holding: Holding, held: float, reason: str
-) -> None:
-    signals.send(
-        signals.lock_released,
-        DjangoAdvisoryLock,
-        holding.key,
-        using=locks.alias,
-        shared=holding.shared,
-        transaction=holding.transaction,
-        held=held,
-        reason=reason,
-    )
-
-
-_binding.release_listeners.append(_send_released)
+# Django's signals are sent for this app's locks, from the core's lock events.
+signals.forward_lock_events(DjangoAdvisoryLock)

@@ -21,21 +21,23 @@ or None when ``acquire()`` returned False). ``lock_released`` adds ``held`` (sec
 A re-entrant acquire on a connection that already holds the lock sends nothing: the
 signals follow what the server does. Receivers run through ``send_robust``: an exception
 in one is logged and can neither leak a lock nor break the transaction it fired in.
+
+The signals are the core's lock events (``advisory_locks.events``) of this app's locks,
+forwarded: a listener subscribed there sees the same, for every binding.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.dispatch import Signal
 
+from advisory_locks._core import events
+from advisory_locks._core.events import LockEvent
 from advisory_locks_django.conf import lock_settings
 
-if TYPE_CHECKING:
-    from advisory_locks.keys import LockKey
-
-__all__ = ["lock_acquired", "lock_failed", "lock_released"]
+__all__ = ["forward_lock_events", "lock_acquired", "lock_failed", "lock_released"]
 
 logger = logging.getLogger("advisory_locks_django")
 
@@ -44,26 +46,40 @@ lock_released = Signal()
 lock_failed = Signal()
 
 
-def send(
-    signal: Signal,
-    sender: type,
-    key: LockKey,
-    *,
-    using: str,
-    shared: bool,
-    transaction: bool,
-    **extra: Any,
-) -> None:
+def forward_lock_events(sender: type) -> None:
+    """Send the signals, as ``sender``, for the lock events of Django's binding."""
+
+    def forward(event: LockEvent) -> None:
+        if event.binding != "django":
+            return
+        if event.kind == "acquired":
+            send(lock_acquired, sender, event, waited=event.waited)
+        elif event.kind == "released":
+            send(lock_released, sender, event, held=event.held, reason=event.reason)
+        elif event.kind == "not_acquired":
+            send(
+                lock_failed,
+                sender,
+                event,
+                waited=event.waited,
+                reason=event.reason,
+                error=event.error,
+            )
+
+    events.subscribe(forward)
+
+
+def send(signal: Signal, sender: type, event: LockEvent, **extra: Any) -> None:
     """Send ``signal`` about one lock, unless signals are switched off or unheard."""
     if not signal.receivers or not lock_settings().send_signals:
         return
     responses = signal.send_robust(
         sender,
-        name=key.name,
-        key=key.value,
-        using=using,
-        mode="shared" if shared else "exclusive",
-        scope="transaction" if transaction else "session",
+        name=event.name,
+        key=event.key,
+        using=event.database,
+        mode=event.mode,
+        scope=event.scope,
         **extra,
     )
     for receiver, response in responses:

@@ -228,6 +228,7 @@ class ConnectionSite:
     """Locks on a Connection the caller owns."""
 
     __slots__ = ("backend", "connection")
+    binding = "sqlalchemy"
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
@@ -406,6 +407,7 @@ class EngineSite:
     """Each lock takes its own pooled connection."""
 
     __slots__ = ("backend", "engine")
+    binding = "sqlalchemy"
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -450,6 +452,7 @@ class SessionSite:
     transaction."""
 
     __slots__ = ("backend", "session")
+    binding = "sqlalchemy"
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -508,7 +511,7 @@ def _state_of(connection: Connection) -> ConnectionState | None:
 def _transaction_committed(connection: Connection) -> None:
     state = _state_of(connection)
     if state is not None:
-        state.transaction_ended()
+        state.transaction_ended("commit")
 
 
 @event.listens_for(Engine, "rollback")
@@ -516,7 +519,7 @@ def _transaction_rolled_back(connection: Connection) -> None:
     state = _state_of(connection)
     if state is None:
         return
-    state.transaction_ended()
+    state.transaction_ended("rollback")
     if not state.pending_release:
         return
     # Unlocks that the failed transaction postponed can run once it has ended, but
@@ -600,7 +603,7 @@ def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionP
     state = info.get(STATE_INFO_KEY)
     try:
         if isinstance(state, ConnectionState):
-            state.transaction_ended()
+            state.transaction_ended("rollback")
             if state.session_holdings():
                 run_steps(release_session_locks(state, executor_for(record, info)))
                 # Unless it is in autocommit, the driver opened a transaction for the

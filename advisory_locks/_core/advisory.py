@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from advisory_locks._core.connection import ConnectionState, Holding
+from advisory_locks._core import events
+from advisory_locks._core.connection import ConnectionState, Holding, report_grant, report_loss
 from advisory_locks._core.contract import (
     AsyncLockContract,
     LockContract,
@@ -25,8 +26,15 @@ from advisory_locks._core.contract import (
     not_acquired_error,
     validate_timeout,
 )
+from advisory_locks._core.events import EventSource, LockEvent
 from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
-from advisory_locks.errors import LockLost, LockNotAcquired, LockUsageError
+from advisory_locks.errors import (
+    LockDeadlock,
+    LockLost,
+    LockNotAcquired,
+    LockTimeout,
+    LockUsageError,
+)
 from advisory_locks.keys import LockKey, LockName
 
 if TYPE_CHECKING:
@@ -72,7 +80,11 @@ class Borrowed(Protocol):
 
 
 class LockSite(Protocol):
-    """Where locks for one bind live (made by a binding)."""
+    """Where locks for one bind live (made by a binding).
+
+    Its events name it by a ``binding`` attribute (``"sqlalchemy"``) and, where the
+    binding has a name for the database (Django's alias), a ``database`` one.
+    """
 
     backend: Backend
 
@@ -167,8 +179,10 @@ class AdvisoryLock(LockContract):
             holding.count += 1
             return True
         self._count = 0
+        # No clock is read unless someone listens for events.
+        started = time.monotonic() if events.listeners else None
         try:
-            return (yield from self._acquire_once())
+            return (yield from self._acquire_once(started))
         finally:
             if not self._count:
                 self._owner = None
@@ -197,9 +211,13 @@ class AdvisoryLock(LockContract):
             )
         return LockUsageError(f"{message}: acquire() it first (or it was already released)")
 
-    def _acquire_once(self) -> Steps[bool]:
+    def _acquire_once(self, started: float | None) -> Steps[bool]:
         options = self.options
-        borrowed: Borrowed = yield Borrow(options.transaction)
+        try:
+            borrowed: Borrowed = yield Borrow(options.transaction)
+        except BaseException as error:
+            self._report_refusal(started, None, error)
+            raise
         state = borrowed.state
         holding = state.find(self.key_info, shared=options.shared, transaction=options.transaction)
         if holding is None:
@@ -226,19 +244,69 @@ class AdvisoryLock(LockContract):
                 else:
                     borrowed.done()
                 yield Settle(borrowed)
+                self._report_refusal(started, state, error)
                 raise
             if not granted:
                 borrowed.done()
                 yield Settle(borrowed)
+                self._report_refusal(started, state, None)
                 return False
             holding = state.add(
                 self.key_info, shared=options.shared, transaction=options.transaction
             )
+            if started is not None and events.listeners:
+                report_grant(holding, self._source(state), time.monotonic() - started)
         holding.count += 1
         self._count = 1
         self._borrowed = borrowed
         self._holding = holding
         return True
+
+    def _source(self, state: ConnectionState | None) -> EventSource:
+        site = self._site
+        binding = getattr(site, "binding", None) or type(site).__module__.rpartition(".")[2]
+        return EventSource(
+            site.backend.system_name({} if state is None else state.driver_state),
+            binding,
+            getattr(site, "database", None),
+        )
+
+    def _report_refusal(
+        self, started: float | None, state: ConnectionState | None, error: BaseException | None
+    ) -> None:
+        if started is None or not events.listeners:
+            return
+        if error is None:
+            reason = "busy" if self.options.timeout == 0 else "timeout"
+        elif isinstance(error, LockDeadlock):
+            reason = "deadlock"
+        elif isinstance(error, LockTimeout):
+            reason = "timeout"
+        else:
+            reason = "error"
+        source = self._source(state)
+        options = self.options
+        events.emit(
+            LockEvent(
+                "not_acquired",
+                self.name,
+                self.key,
+                source.system,
+                "shared" if options.shared else "exclusive",
+                "transaction" if options.transaction else "session",
+                source.binding,
+                source.database,
+                waited=time.monotonic() - started,
+                reason=reason,
+                error=error,
+            )
+        )
+
+    def _report_loss(
+        self, holding: Holding, state: ConnectionState, reason: str, error: BaseException | None
+    ) -> None:
+        if events.listeners:
+            report_loss(holding, self._source(state), reason, error)
 
     def release_steps(self) -> Steps[None]:
         holding, borrowed = self._holding, self._borrowed
@@ -261,6 +329,7 @@ class AdvisoryLock(LockContract):
         if not holding.active:
             borrowed.done()
             yield Settle(borrowed)
+            self._report_loss(holding, borrowed.state, "connection_closed", None)
             raise LockLost(
                 f"advisory lock {self.name!r} was released before its block ended "
                 "(its connection was returned to the pool or closed)",
@@ -286,10 +355,13 @@ class AdvisoryLock(LockContract):
                 yield Settle(borrowed)
                 logger.debug("release of %r deferred to the end of the transaction", self.name)
                 return
-            state.forget(holding)
+            # The library stops tracking it either way; whether the server still holds
+            # it is unknown, so its end is reported as a loss, not an unlock.
+            state.end(holding, "lost")
             if backend.is_connection_failure(error):
                 borrowed.broken(error)
                 yield Settle(borrowed)
+                self._report_loss(holding, state, "connection_failed", error)
                 raise LockLost(
                     f"advisory lock {self.name!r} was lost: its connection failed ({error})",
                     name=self.name,
@@ -297,10 +369,11 @@ class AdvisoryLock(LockContract):
             borrowed.done()
             yield Settle(borrowed)
             raise
-        state.forget(holding)
+        state.end(holding, "unlock" if released else "lost")
         borrowed.done()
         yield Settle(borrowed)
         if not released:
+            self._report_loss(holding, state, "not_held", None)
             raise LockLost(
                 f"the server did not hold advisory lock {self.name!r} at release",
                 name=self.name,
@@ -312,12 +385,19 @@ class AdvisoryLock(LockContract):
             raise self._not_held()
         state = borrowed.state
         if state.inherited:
+            self._report_loss(holding, state, "forked", None)
             raise LockLost(
                 f"advisory lock {self.name!r} belongs to the process that took it (pid "
                 f"{state.pid}), not to this forked child",
                 name=self.name,
             )
         if not holding.active:
+            self._report_loss(
+                holding,
+                state,
+                "transaction_ended" if holding.transaction else "connection_closed",
+                None,
+            )
             reason = (
                 "its transaction ended"
                 if holding.transaction
@@ -335,9 +415,10 @@ class AdvisoryLock(LockContract):
         except Exception as error:
             if not backend.is_connection_failure(error):
                 raise
-            state.forget(holding)
+            state.end(holding, "lost")
             borrowed.broken(error)
             yield Settle(borrowed)
+            self._report_loss(holding, state, "connection_failed", error)
             raise LockLost(
                 f"advisory lock {self.name!r} was lost: its connection failed ({error})",
                 name=self.name,
@@ -345,7 +426,8 @@ class AdvisoryLock(LockContract):
         if not held:
             # Someone unlocked it on our connection (pg_advisory_unlock_all(), DISCARD ALL):
             # the block must not go on believing it is protected.
-            state.forget(holding)
+            state.end(holding, "lost")
+            self._report_loss(holding, state, "not_held", None)
             raise LockLost(
                 f"the server no longer holds advisory lock {self.name!r}", name=self.name
             )

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from advisory_locks._core import events
+from advisory_locks._core.events import EventSource, LockEvent
 from advisory_locks._core.executors import protocol_session_id
 from advisory_locks._core.steps import Steps, on
 from advisory_locks.errors import UnsupportedFeature
@@ -28,7 +31,15 @@ from advisory_locks.keys import LockKey, LockName
 if TYPE_CHECKING:
     from advisory_locks._dialects.base import Backend
 
-__all__ = ["ConnectionState", "Holding", "PoolerMode", "check_server", "finish_pending_releases"]
+__all__ = [
+    "ConnectionState",
+    "Holding",
+    "PoolerMode",
+    "check_server",
+    "finish_pending_releases",
+    "report_grant",
+    "report_loss",
+]
 
 HoldingKey = tuple[Hashable, bool, bool]
 
@@ -54,6 +65,68 @@ class Holding:
     # at or above it makes PostgreSQL release the lock.
     depth: int = 0
     active: bool = True
+    # Set when the grant was reported to event listeners (``advisory_locks._core.events``):
+    # only then is its end reported, once.
+    granted_at: float | None = None
+    source: EventSource | None = None
+    end_reported: bool = False
+    loss_reported: bool = False
+
+    def event(
+        self,
+        kind: events.EventKind,
+        source: EventSource,
+        *,
+        waited: float | None = None,
+        reason: str | None = None,
+        error: BaseException | None = None,
+    ) -> LockEvent:
+        """An event about this holding (``held`` counted from a reported grant)."""
+        granted_at = self.granted_at
+        held = None
+        if granted_at is not None and kind != "acquired":
+            held = time.monotonic() - granted_at
+        return LockEvent(
+            kind,
+            self.key.name,
+            self.key.value,
+            source.system,
+            "shared" if self.shared else "exclusive",
+            "transaction" if self.transaction else "session",
+            source.binding,
+            source.database,
+            waited=waited,
+            held=held,
+            reason=reason,
+            error=error,
+            granted_at=granted_at,
+        )
+
+
+def report_grant(holding: Holding, source: EventSource, waited: float) -> None:
+    """The server just granted ``holding``; tell the listeners."""
+    holding.granted_at = time.monotonic()
+    holding.source = source
+    events.emit(holding.event("acquired", source, waited=waited))
+
+
+def report_end(holding: Holding, reason: str) -> None:
+    """The server let go of ``holding``: tell the listeners, once, if they saw the grant."""
+    source = holding.source
+    if source is None or holding.end_reported or not events.listeners:
+        return
+    holding.end_reported = True
+    events.emit(holding.event("released", source, reason=reason))
+
+
+def report_loss(
+    holding: Holding, source: EventSource, reason: str, error: BaseException | None = None
+) -> None:
+    """A holder just learned (LockLost) that ``holding`` is gone; tell the listeners once."""
+    if holding.loss_reported or not events.listeners:
+        return
+    holding.loss_reported = True
+    events.emit(holding.event("lost", holding.source or source, reason=reason, error=error))
 
 
 @dataclass(eq=False)
@@ -100,6 +173,12 @@ class ConnectionState:
             if self.holdings.get(entry_key) is holding:
                 del self.holdings[entry_key]
 
+    def end(self, holding: Holding, reason: str) -> None:
+        """The server no longer holds ``holding`` (``reason`` as a ``released`` event
+        says it): forget it, and report its end."""
+        self.forget(holding)
+        report_end(holding, reason)
+
     def _entry(self, key: LockKey, shared: bool, transaction: bool) -> HoldingKey:
         # What the server locks on decides which holdings are one lock: the integer key
         # on PostgreSQL, the GET_LOCK name on MySQL (two names whose keys collide are two
@@ -113,12 +192,16 @@ class ConnectionState:
     def names(self) -> list[LockName]:
         return [h.key.name for h in self.holdings.values() if h.active]
 
-    def transaction_ended(self) -> None:
-        """The server released every transaction lock; forget them."""
+    def transaction_ended(self, reason: str = "commit") -> None:
+        """The server released every transaction lock (at a ``"commit"`` or a
+        ``"rollback"``); forget them."""
         with self.mutex:
             self.savepoints.clear()
-            for holding in [h for h in self.holdings.values() if h.transaction]:
+            ended = [h for h in self.holdings.values() if h.transaction]
+            for holding in ended:
                 self.forget(holding)
+        for holding in ended:
+            report_end(holding, reason)
 
     def savepoint_started(self, name: str) -> None:
         with self.mutex:
@@ -129,9 +212,11 @@ class ConnectionState:
             depth = self._truncate_savepoints(name)
             if depth is None:
                 return
-            for holding in [h for h in self.holdings.values() if h.transaction]:
-                if holding.depth > depth:
-                    self.forget(holding)
+            ended = [h for h in self.holdings.values() if h.transaction and h.depth > depth]
+            for holding in ended:
+                self.forget(holding)
+        for holding in ended:
+            report_end(holding, "rollback")
 
     def savepoint_released(self, name: str) -> None:
         with self.mutex:
@@ -167,6 +252,9 @@ class ConnectionState:
         closed = getattr(backend, "connection_closed", None)
         if callable(closed) and not self.inherited:
             closed(self.driver_state)
+        if not self.inherited:
+            for holding in gone:
+                report_end(holding, "connection_closed")
         return gone
 
 
@@ -224,6 +312,7 @@ def finish_pending_releases(state: ConnectionState, executor: object) -> Steps[l
         yield from on(
             executor, backend.release(state.driver_state, holding.key, shared=holding.shared)
         )
+        report_end(holding, "unlock")
     return holdings
 
 
@@ -241,4 +330,5 @@ def release_session_locks(state: ConnectionState, executor: object) -> Steps[lis
         yield from on(
             executor, backend.release(state.driver_state, holding.key, shared=holding.shared)
         )
+        report_end(holding, "unlock")
     return holdings

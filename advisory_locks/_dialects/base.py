@@ -53,6 +53,10 @@ class Backend(Protocol):
     def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
         """Raise before any SQL when this database cannot honour the options."""
 
+    def system_name(self, state: dict[str, Any]) -> str:
+        """The server as OpenTelemetry's ``db.system.name`` calls it, as far as known
+        without a round trip (lock events carry it)."""
+
     def acquire(
         self,
         state: dict[str, Any],

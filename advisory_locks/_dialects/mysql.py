@@ -121,6 +121,13 @@ class MySQLBackend:
     dialect_name = "mysql"
     locks_on_server = True
 
+    def system_name(self, state: dict[str, Any]) -> str:
+        mariadb = state.get(MARIADB_STATE)
+        if mariadb is None:
+            version = state.get(SERVER_VERSION_STATE)
+            mariadb = isinstance(version, str) and "mariadb" in version.lower()
+        return "mariadb" if mariadb else "mysql"
+
     def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
         if shared:
             raise UnsupportedFeature(SHARED_REFUSED)

@@ -92,6 +92,9 @@ class PostgresBackend:
     dialect_name = "postgresql"
     locks_on_server = True
 
+    def system_name(self, state: dict[str, Any]) -> str:
+        return "postgresql"
+
     def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
         if timeout is not None and _timeout_ms(timeout) > MAX_TIMEOUT_MS:
             raise ValueError(

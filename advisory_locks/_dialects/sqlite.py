@@ -64,6 +64,9 @@ class SQLiteBackend:
     dialect_name = "sqlite"
     locks_on_server = False
 
+    def system_name(self, state: dict[str, Any]) -> str:
+        return "sqlite"
+
     def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
         if transaction:
             raise UnsupportedFeature(TRANSACTION_REFUSED)
