@@ -6,15 +6,16 @@ refusal, a loss; a lease also reports a failed renewal and being stolen. The Dja
 signals and the OpenTelemetry instrumentation are listeners like any other.
 
 With no listener nothing is built: each place that reports checks ``listeners`` (an
-empty tuple by default) before it reads a clock or makes an event. A release is reported
-only for a grant that was reported, so a listener sees every holding it was told of end,
-and none it was not.
+empty tuple by default) before it reads a clock or makes an event. A listener hears about
+a holding (its grant, its release, its loss) only if it was subscribed when the lock was
+granted, so a count of held locks kept from the events never goes below zero.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, TypeAlias
@@ -103,6 +104,8 @@ Listener: TypeAlias = Callable[[LockEvent], None]
 
 # Read without a lock on every lock operation: replaced whole, never changed in place.
 listeners: tuple[Listener, ...] = ()
+# Each listener with the time.monotonic() it was subscribed at.
+_subscribed: tuple[tuple[Listener, float], ...] = ()
 _changing = threading.Lock()
 
 
@@ -114,26 +117,34 @@ def subscribe(listener: Listener) -> Listener:
     ``advisory_locks`` logger and goes no further, so a broken metrics client can neither
     leak a lock nor break a transaction. Subscribing a listener twice has no effect.
     Usable as a decorator.
+
+    A lock granted before ``listener`` was subscribed is not reported to it at all: it
+    hears no ``released`` or ``lost`` without the ``acquired`` before them.
     """
-    global listeners
+    global listeners, _subscribed
     if not callable(listener):
         raise TypeError(f"a listener must be callable, not {type(listener).__name__}")
     with _changing:
         if listener not in listeners:
-            listeners = (*listeners, listener)
+            _subscribed = (*_subscribed, (listener, time.monotonic()))
+            listeners = tuple(known for known, _ in _subscribed)
     return listener
 
 
 def unsubscribe(listener: Listener) -> None:
     """Stop calling ``listener``; nothing happens if it was not subscribed."""
-    global listeners
+    global listeners, _subscribed
     with _changing:
-        listeners = tuple(known for known in listeners if known != listener)
+        _subscribed = tuple(entry for entry in _subscribed if entry[0] != listener)
+        listeners = tuple(known for known, _ in _subscribed)
 
 
 def emit(event: LockEvent) -> None:
-    """Tell every listener about ``event``."""
-    for listener in listeners:
+    """Tell every listener about ``event`` (about a holding: those that saw its grant)."""
+    granted_at = event.granted_at
+    for listener, since in _subscribed:
+        if granted_at is not None and granted_at < since:
+            continue
         try:
             listener(event)
         except Exception:
