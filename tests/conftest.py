@@ -12,6 +12,7 @@ from psycopg.rows import TupleRow
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL
 
+from advisory_locks import events
 from tests.databases import (
     MYSQL,
     POSTGRESQL,
@@ -20,6 +21,7 @@ from tests.databases import (
     postgres_url_with_driver,
     psycopg_connect,
 )
+from tests.helpers import EventRecorder
 
 # A test that uses one of these fixtures, directly or through another fixture, gets the
 # marker, so `-m "not postgresql"` runs everything that needs no server.
@@ -32,6 +34,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture, marker in MARKER_FOR_FIXTURE.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
+
+
+@pytest.fixture
+def lock_events() -> Iterator[EventRecorder]:
+    """Every lock event reported while the test runs (a subscribed listener)."""
+    recorder = EventRecorder()
+    events.subscribe(recorder)
+    yield recorder
+    events.unsubscribe(recorder)
 
 
 @pytest.fixture(scope="session")

@@ -19,12 +19,14 @@ from psycopg.rows import TupleRow
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session
 
+from advisory_locks.events import LockEvent
 from advisory_locks.keys import LockName, derive_key
 from advisory_locks.sqlalchemy import SyncBind
 from tests.databases import AdvisoryLockRow, advisory_locks_held
 
 __all__ = [
     "AdvisoryLockRow",
+    "EventRecorder",
     "advisory_locks_held",
     "advisory_statements",
     "backend_alive",
@@ -199,3 +201,31 @@ class BlockedWaiter:
         self.thread.join(join_seconds)
         assert not self.thread.is_alive()
         assert self.errors == []
+
+
+class EventRecorder:
+    """A lock event listener that keeps what it hears. Other tests' locks report too (in
+    this process's other threads), so ask for one lock's events by name."""
+
+    def __init__(self) -> None:
+        self._events: list[LockEvent] = []
+        self._mutex = threading.Lock()
+
+    def __call__(self, event: LockEvent) -> None:
+        with self._mutex:
+            self._events.append(event)
+
+    def about(self, name: LockName) -> list[LockEvent]:
+        with self._mutex:
+            return [event for event in self._events if event.name == name]
+
+    def all(self) -> list[LockEvent]:
+        with self._mutex:
+            return list(self._events)
+
+    def kinds(self, name: LockName) -> list[str]:
+        return [event.kind for event in self.about(name)]
+
+    def one(self, name: LockName, kind: str) -> LockEvent:
+        (event,) = [event for event in self.about(name) if event.kind == kind]
+        return event

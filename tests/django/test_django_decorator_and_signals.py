@@ -12,6 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.test import override_settings
 from psycopg.rows import TupleRow
+from sqlalchemy import Engine
 
 from advisory_locks.keys import lock_key
 from advisory_locks_django import (
@@ -340,5 +341,15 @@ def test_a_failing_receiver_neither_raises_nor_leaks_the_lock(admin: Admin) -> N
 
 def test_send_signals_false_sends_none(events: list[Any]) -> None:
     with override_settings(ADVISORY_LOCKS={"SEND_SIGNALS": False}), advisory_lock(unique_name()):
+        pass
+    assert events == []
+
+
+def test_locks_taken_through_sqlalchemy_send_no_django_signal(
+    events: list[Any], pg_engine: Engine
+) -> None:
+    from advisory_locks import advisory_lock as core_advisory_lock
+
+    with core_advisory_lock(pg_engine, unique_name()):
         pass
     assert events == []
