@@ -28,7 +28,7 @@ from advisory_locks.errors import (
     LockTimeout,
     UnsupportedFeature,
 )
-from advisory_locks.keys import LockKey, LockName, derive_key
+from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
 from advisory_locks.lock import AdvisoryLock, not_acquired_error
 from advisory_locks.registry import Holding
 from advisory_locks_django import signals
@@ -58,7 +58,7 @@ def advisory_lock(
     shared: bool = False,
     transaction: bool | _Default = DEFAULT,
     skip_if_locked: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> DjangoAdvisoryLock:
     """A named lock held by the database ``using``; see docs/django.md.
@@ -111,7 +111,7 @@ class DjangoAdvisoryLock:
         shared: bool = False,
         transaction: bool | _Default = DEFAULT,
         skip_if_locked: bool = False,
-        key_scheme: str | None = None,
+        key_scheme: KeyScheme | None = None,
         key_prefix: str | int | None = None,
     ) -> None:
         defaults = lock_settings()
