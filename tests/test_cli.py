@@ -227,8 +227,9 @@ def test_key_json_gives_a_pair_as_a_list(capsys: pytest.CaptureFixture[str]) -> 
 def test_key_mysql_dialect_under_rails_prints_the_gems_get_lock_name(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["key", "Nightly Report", "--scheme", "rails", "--dialect", "mysql"]) == 0
-    assert capsys.readouterr().out == "Nightly Report\n"
+    argv = ["key", "Nightly Report", "--scheme", "rails", "--prefix", "7", "--dialect", "mysql"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == "7Nightly Report\n"
 
 
 @pytest.mark.parametrize(
