@@ -144,18 +144,17 @@ def derive_key(
         raise TypeError(f"lock name must be str, int or (int, int), not {type(name).__name__}")
     if not name:
         raise ValueError("lock name must not be empty")
+    prefix = os.environ.get(PREFIX_ENV) if prefix is None else prefix
+    if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, (str, int))):
+        # Checked before the cache, which would otherwise answer True as it did 1.
+        raise TypeError(f"key prefix must be str or int, not {type(prefix).__name__}")
     if scheme is not None and not isinstance(scheme, str):
         if not callable(scheme):
             raise TypeError(
                 f"key scheme must be a scheme's name or a function, not {type(scheme).__name__}"
             )
         return _function_key(name, scheme)
-    scheme = _resolve_scheme(scheme)
-    prefix = os.environ.get(PREFIX_ENV) if prefix is None else prefix
-    if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, (str, int))):
-        # Checked before the cache, which would otherwise answer True as it did 1.
-        raise TypeError(f"key prefix must be str or int, not {type(prefix).__name__}")
-    return _string_key(name, scheme, prefix)
+    return _string_key(name, _resolve_scheme(scheme), prefix)
 
 
 def _function_key(name: str, function: KeyFunction) -> LockKey:
@@ -163,18 +162,24 @@ def _function_key(name: str, function: KeyFunction) -> LockKey:
     # Its result is held to the rules of an int or pair name, so a bad one fails here,
     # before any SQL, rather than as a server error or a silently different lock.
     result: object = function(name)
-    what = f"key scheme {_function_label(function)} returned {result!r} for {name!r}"
     if isinstance(result, bool) or not isinstance(result, (int, tuple)):
-        raise TypeError(f"{what}; expected an int or a tuple of two ints")
+        raise TypeError(
+            f"{_returned(function, name, result)}; expected an int or a tuple of two ints"
+        )
     if isinstance(result, int):
         if not INT64_MIN <= result <= INT64_MAX:
-            raise ValueError(f"{what}, outside the signed 64-bit range")
+            raise ValueError(f"{_returned(function, name, result)}, outside the 64-bit range")
         return LockKey(name, (int(result),), "", CALLABLE_SCHEME)
     try:
         pair = _validate_pair(result)
     except (TypeError, ValueError) as error:
-        raise type(error)(f"{what}: {error}") from None
+        raise type(error)(f"{_returned(function, name, result)}: {error}") from None
     return LockKey(name, pair, "", CALLABLE_SCHEME)
+
+
+def _returned(function: KeyFunction, name: str, result: object) -> str:
+    shown = name if len(name) <= 80 else name[:80] + "..."
+    return f"key scheme {_function_label(function)} returned {result!r} for {shown!r}"
 
 
 def scheme_label(scheme: KeyScheme) -> str:

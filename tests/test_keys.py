@@ -366,6 +366,11 @@ def test_function_scheme_does_not_apply_to_integer_and_pair_names() -> None:
     assert lock_key((1, 2), scheme=refuse) == (1, 2)
 
 
+def test_function_scheme_still_refuses_a_prefix_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match="key prefix"):
+        lock_key("test", scheme=md5_key, prefix=1.5)  # type: ignore[arg-type]
+
+
 def test_function_scheme_still_refuses_an_empty_name_before_calling() -> None:
     with pytest.raises(ValueError, match="empty"):
         lock_key("", scheme=lambda name: 1)
