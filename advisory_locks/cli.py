@@ -13,6 +13,16 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
+from advisory_locks._monitoring import (
+    key_arguments,
+    key_details,
+    key_document,
+    lock_document,
+    locks_table,
+    mysql_key_details,
+    mysql_key_document,
+    mysql_lock_name,
+)
 from advisory_locks.errors import AdvisoryLockError
 from advisory_locks.keys import (
     DEFAULT_SCHEME,
@@ -23,19 +33,9 @@ from advisory_locks.keys import (
     LockName,
     derive_key,
 )
-from advisory_locks.monitoring import (
-    key_arguments,
-    key_details,
-    key_document,
-    lock_document,
-    locks_table,
-    mysql_key_details,
-    mysql_key_document,
-    mysql_lock_name,
-)
 
 if TYPE_CHECKING:
-    from advisory_locks.backends.base import LockedRow
+    from advisory_locks._dialects.base import LockedRow
 
 __all__ = ["main"]
 
@@ -232,8 +232,9 @@ def _fetch_locks(url_text: str) -> list[LockedRow]:
         from sqlalchemy.pool import NullPool
     except ImportError:
         raise UsageError("needs SQLAlchemy: pip install 'advisory-locks[sqlalchemy]'") from None
-    from advisory_locks.backends import backend_for_dialect
-    from advisory_locks.executors import executor_for
+    from advisory_locks._core.executors import DBAPIExecutor
+    from advisory_locks._core.steps import on, run_steps
+    from advisory_locks._dialects import backend_for_dialect
 
     shown = url_text
     try:
@@ -247,8 +248,8 @@ def _fetch_locks(url_text: str) -> list[LockedRow]:
         try:
             with engine.connect() as connection:
                 pooled = connection.connection
-                executor = executor_for(pooled.dbapi_connection, pooled.driver_connection)
-                return backend.list_locks(executor)
+                executor = DBAPIExecutor(pooled.dbapi_connection)
+                return run_steps(on(executor, backend.list_locks(executor.state)))
         finally:
             engine.dispose()
     except (SQLAlchemyError, AdvisoryLockError, ImportError, ValueError) as error:

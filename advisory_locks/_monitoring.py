@@ -10,8 +10,8 @@ from __future__ import annotations
 import shutil
 from typing import Any, Final, TextIO
 
-from advisory_locks.backends.base import LockedRow
-from advisory_locks.backends.mysql import server_lock_name
+from advisory_locks._dialects.base import LockedRow
+from advisory_locks._dialects.mysql import server_lock_name
 from advisory_locks.keys import CALLABLE_SCHEME, KeyScheme, LockKey, derive_key, scheme_label
 
 __all__ = [
