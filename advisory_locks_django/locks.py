@@ -29,7 +29,7 @@ from advisory_locks._core.contract import (
     validate_timeout,
 )
 from advisory_locks.errors import LockNotAcquired, UnsupportedFeature
-from advisory_locks.keys import LockName, derive_key
+from advisory_locks.keys import KeyScheme, LockName, derive_key
 from advisory_locks_django import signals
 from advisory_locks_django._binding import (
     DjangoExecutor,
@@ -62,7 +62,7 @@ def advisory_lock(
     shared: bool = False,
     transaction: bool | _Default = DEFAULT,
     skip_if_locked: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> DjangoAdvisoryLock:
     """A named lock held by the database ``using``; see docs/django.md.
@@ -114,7 +114,7 @@ class DjangoAdvisoryLock:
         shared: bool = False,
         transaction: bool | _Default = DEFAULT,
         skip_if_locked: bool = False,
-        key_scheme: str | None = None,
+        key_scheme: KeyScheme | None = None,
         key_prefix: str | int | None = None,
     ) -> None:
         defaults = lock_settings()
