@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -43,6 +44,9 @@ PROGRAM = "advisory-locks"
 URL_ENVIRONMENT = ("ADVISORY_LOCKS_URL", "DATABASE_URL")
 USAGE_ERROR = 2
 CONNECT_TIMEOUT_SECONDS = 10
+WATCH_INTERVAL_SECONDS = 2.0
+# Cursor home, then erase the screen: each frame of --watch replaces the last.
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 KEY_EPILOG = f"""\
 A NAME is always text, hashed by the key scheme: `key 42` is the key of the string "42".
@@ -61,6 +65,9 @@ LIST_EPILOG = """\
 FOR is how long a waiter has waited, or for a holder an upper bound:
 PostgreSQL does not record when an advisory lock was granted, so it shows the time since
 the holder's connection started. Only the current database's locks are listed.
+
+--watch lists again every --interval seconds until Ctrl-C, on a terminal in place of the
+previous listing (with --json: one JSON array per line).
 """
 
 
@@ -147,7 +154,42 @@ def _parser() -> argparse.ArgumentParser:
         f"(default: ${URL_ENVIRONMENT[0]}, then ${URL_ENVIRONMENT[1]})",
     )
     list_.add_argument("--json", action="store_true", help="print a JSON array, one object a lock")
+    list_.add_argument(
+        "--watch", action="store_true", help="list again every --interval seconds until Ctrl-C"
+    )
+    list_.add_argument(
+        "--interval",
+        type=_positive_seconds,
+        metavar="S",
+        help=f"seconds between listings with --watch (default: {WATCH_INTERVAL_SECONDS:g})",
+    )
+    list_.add_argument(
+        "--count",
+        type=_positive_count,
+        metavar="N",
+        help="with --watch, stop after N listings",
+    )
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return seconds
+
+
+def _positive_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {count}")
+    return count
 
 
 # --- key ----------------------------------------------------------------------------------
@@ -216,6 +258,10 @@ def _run_list(arguments: argparse.Namespace, out: TextIO) -> int:
         raise UsageError(
             f"no database: pass --url or set ${URL_ENVIRONMENT[0]} or ${URL_ENVIRONMENT[1]}"
         )
+    if arguments.watch:
+        return _watch(arguments, url, out)
+    if arguments.interval is not None or arguments.count is not None:
+        raise UsageError("--interval and --count go with --watch")
     rows = _fetch_locks(url)
     if arguments.json:
         json.dump([lock_document(row) for row in rows], out, ensure_ascii=False, indent=2)
@@ -223,6 +269,53 @@ def _run_list(arguments: argparse.Namespace, out: TextIO) -> int:
     else:
         out.write(locks_table(rows, out))
     return 0
+
+
+def _watch(arguments: argparse.Namespace, url: str, out: TextIO) -> int:
+    """List every ``--interval`` seconds until Ctrl-C (or ``--count`` listings)."""
+    interval = arguments.interval or WATCH_INTERVAL_SECONDS
+    terminal = out.isatty()
+    listed = 0
+    try:
+        while True:
+            try:
+                rows: list[LockedRow] | None = _fetch_locks(url)
+                problem = ""
+            except UsageError as error:
+                if not listed:
+                    raise  # a wrong URL or driver: no use trying again
+                # The server went away (a restart, a failover): say so, and keep trying.
+                rows, problem = None, str(error)
+            if arguments.json:
+                if rows is None:
+                    print(f"{PROGRAM} list: {problem}", file=sys.stderr, flush=True)
+                else:
+                    json.dump([lock_document(row) for row in rows], out, ensure_ascii=False)
+                    out.write("\n")
+            else:
+                header = (
+                    f"Every {interval:g}s: advisory locks on {_shown_url(url)}"
+                    f"  {time.strftime('%H:%M:%S')}  (Ctrl-C to stop)\n\n"
+                )
+                body = locks_table(rows, out) if rows is not None else problem + "\n"
+                out.write((CLEAR_SCREEN if terminal else "\n" if listed else "") + header + body)
+            out.flush()
+            listed += 1
+            if arguments.count is not None and listed >= arguments.count:
+                return 0
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        out.write("\n")
+        return 0
+
+
+def _shown_url(url_text: str) -> str:
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url_text).render_as_string(hide_password=True)
+    except Exception:
+        return "the database"
 
 
 def _fetch_locks(url_text: str) -> list[LockedRow]:

@@ -566,3 +566,160 @@ def test_list_through_a_subprocess_fails_cleanly_for_an_unreachable_server() -> 
     assert completed.returncode == 2
     assert "Traceback" not in completed.stderr
     assert "cannot list locks" in completed.stderr
+
+
+# --- list --watch -------------------------------------------------------------------------
+
+FRAME_END = "QUERY is the connection's current statement"
+WATCH_INTERVAL = "2"  # the test releases a lock between two frames: ample time for that
+
+
+def watch_command(url: URL, *options: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "advisory_locks",
+        "list",
+        "--url",
+        url_text(url),
+        "--watch",
+        *options,
+    ]
+
+
+def read_frame(stream: Any) -> str:
+    """Read one listing of ``list --watch`` (up to its closing note)."""
+    lines = []
+    while True:
+        line = stream.readline()
+        assert line, "list --watch ended before the frame did: " + "".join(lines)
+        lines.append(line)
+        if line.startswith(FRAME_END):
+            return "".join(lines)
+
+
+def test_list_watch_lists_again_and_shows_what_changed_between_listings(
+    postgres_url: URL, connect: Any
+) -> None:
+    key = unique_key()
+    holder = connect("cli-watch-holder")
+    holder.execute("SELECT pg_advisory_lock(%s)", (key,))
+    watcher = subprocess.Popen(
+        watch_command(postgres_url, "--interval", WATCH_INTERVAL, "--count", "2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert watcher.stdout is not None
+        first = read_frame(watcher.stdout)
+        holder.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        rest = watcher.stdout.read()
+        assert watcher.wait(timeout=60) == 0
+    finally:
+        watcher.kill()
+        watcher.wait()
+    assert first.startswith(f"Every {WATCH_INTERVAL}s: advisory locks on ")
+    assert str(key) in first
+    assert "cli-watch-holder" in first
+    assert rest.count("Every 2s: advisory locks on ") == 1
+    assert str(key) not in rest
+    assert "\x1b[" not in first + rest  # no terminal codes in a pipe
+
+
+def test_list_watch_clears_the_terminal_before_each_listing(
+    postgres_url: URL, connect: Any
+) -> None:
+    import pty
+
+    key = unique_key()
+    connect("cli-watch-terminal").execute("SELECT pg_advisory_lock(%s)", (key,))
+    controller, terminal = pty.openpty()
+    watcher = subprocess.Popen(
+        watch_command(postgres_url, "--interval", "0.2", "--count", "2"),
+        stdout=terminal,
+        stderr=subprocess.PIPE,
+    )
+    os.close(terminal)
+    output = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # the terminal closed: the command ended
+                break
+            if not chunk:
+                break
+            output += chunk
+        assert watcher.wait(timeout=60) == 0
+    finally:
+        os.close(controller)
+        watcher.kill()
+        watcher.wait()
+    frames = output.decode().split("\x1b[H\x1b[2J")
+    assert frames[0] == ""
+    assert len(frames) == 3
+    for frame in frames[1:]:
+        assert str(key) in frame
+        assert "cli-watch-terminal" in frame
+
+
+def test_list_watch_stops_on_ctrl_c_without_a_traceback(postgres_url: URL) -> None:
+    import signal
+
+    watcher = subprocess.Popen(
+        watch_command(postgres_url, "--interval", "30"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert watcher.stdout is not None
+        read_frame(watcher.stdout)
+        watcher.send_signal(signal.SIGINT)
+        status = watcher.wait(timeout=60)
+    finally:
+        watcher.kill()
+        watcher.wait()
+    assert watcher.stderr is not None
+    assert (status, watcher.stderr.read()) == (0, "")
+
+
+def test_list_watch_json_prints_one_array_per_line(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = unique_key()
+    connect("cli-watch-json").execute("SELECT pg_advisory_lock(%s)", (key,))
+    argv = ["list", "--url", url_text(postgres_url), "--watch", "--json"]
+    assert main([*argv, "--interval", "0.1", "--count", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert [row["key"] for row in json.loads(line) if row["key"] == key] == [key]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--interval", "0"], "more than 0 seconds"),
+        (["--interval", "soon"], "not a number of seconds"),
+        (["--count", "0"], "at least 1"),
+    ],
+)
+def test_list_watch_rejects_bad_timing(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["list", "--url", "postgresql://127.0.0.1:1/x", "--watch", *options]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_list_interval_without_watch_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["list", "--url", "postgresql://127.0.0.1:1/x", "--count", "2"]) == 2
+    assert "go with --watch" in capsys.readouterr().err
+
+
+def test_list_watch_reports_an_unreachable_server_at_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["list", "--url", "postgresql://127.0.0.1:1/x", "--watch"]) == 2
+    assert "cannot list locks" in capsys.readouterr().err
