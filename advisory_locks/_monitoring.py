@@ -18,6 +18,7 @@ __all__ = [
     "key_arguments",
     "key_details",
     "key_document",
+    "lock_cells",
     "lock_document",
     "locks_table",
     "mysql_key_details",
@@ -159,33 +160,8 @@ def locks_table(rows: list[LockedRow], out: TextIO) -> str:
     if not rows:
         return "No advisory locks are held or awaited in this database.\n"
     at_most = _at_most_sign(out)
-    header = ("PID", "STATUS", "MODE", "FOR", "KEY", "PG_LOCKS", "APPLICATION", "CLIENT", "STATE")
-    cells = [header]
-    for row in rows:
-        if isinstance(row.key, str):  # MySQL: the server knows the lock by this name
-            pg_locks = "-"
-        else:
-            classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
-            pg_locks = f"{classid}/{objid}/{objsubid}"
-        if row.granted:
-            status, duration = "held", _duration(row.held_at_most_seconds, at_most)
-        else:
-            status, duration = "waiting", _duration(row.waiting_seconds, "")
-        key = ",".join(map(str, row.key)) if isinstance(row.key, tuple) else str(row.key)
-        cells.append(
-            (
-                str(row.pid),
-                status,
-                row.mode,
-                duration,
-                key,
-                pg_locks,
-                row.application_name or "-",
-                row.client_addr or "local",
-                row.state or "-",
-            )
-        )
-    widths = [max(len(line[column]) for line in cells) for column in range(len(header))]
+    cells = [LOCK_CELLS_HEADER, *(lock_cells(row, at_most) for row in rows)]
+    widths = [max(len(line[column]) for line in cells) for column in range(len(cells[0]))]
     prefix_width = sum(widths) + 2 * len(widths)
     if out.isatty():
         room = max(MIN_QUERY_CHARS, shutil.get_terminal_size().columns - prefix_width)
@@ -203,6 +179,45 @@ def locks_table(rows: list[LockedRow], out: TextIO) -> str:
         lines.append(f"{at_most} held at most this long (since the holder's connection started)")
     lines.append("QUERY is the connection's current statement, or its last one when STATE is idle")
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+LOCK_CELLS_HEADER: Final = (
+    "PID",
+    "STATUS",
+    "MODE",
+    "FOR",
+    "KEY",
+    "PG_LOCKS",
+    "APPLICATION",
+    "CLIENT",
+    "STATE",
+)
+
+
+def lock_cells(row: LockedRow, at_most: str = "≤") -> tuple[str, ...]:
+    """One row of ``list_locks`` as the texts of ``LOCK_CELLS_HEADER``'s columns (the
+    query aside): a holder's time is an upper bound, marked with ``at_most``."""
+    if isinstance(row.key, str):  # MySQL: the server knows the lock by this name
+        pg_locks = "-"
+    else:
+        classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
+        pg_locks = f"{classid}/{objid}/{objsubid}"
+    if row.granted:
+        status, duration = "held", _duration(row.held_at_most_seconds, at_most)
+    else:
+        status, duration = "waiting", _duration(row.waiting_seconds, "")
+    key = ",".join(map(str, row.key)) if isinstance(row.key, tuple) else str(row.key)
+    return (
+        str(row.pid),
+        status,
+        row.mode,
+        duration,
+        key,
+        pg_locks,
+        row.application_name or "-",
+        row.client_addr or "local",
+        row.state or "-",
+    )
 
 
 def _duration(seconds: float | None, qualifier: str) -> str:

@@ -1,11 +1,11 @@
 """``manage.py advisory_locks list|key``: the ``advisory-locks`` command, on Django's databases.
 
 The listing and its table are the core CLI's (the backend's ``list_locks`` and
-``advisory_locks._monitoring``); this command adds the names this process can tell:
-those of locks it holds itself, and any ``--name`` given, hashed with the project's key
-scheme and prefix. ``key`` shows what the database behind ``--database`` sees: integer
-keys on PostgreSQL (and SQLite, whose lock files are named by them), the ``GET_LOCK``
-name on MySQL and MariaDB.
+``advisory_locks._monitoring``, through ``advisory_locks_django.listing``, which the admin
+page shares); this command adds the names this process can tell: those of locks it holds
+itself, and any ``--name`` given, hashed with the project's key scheme and prefix. ``key``
+shows what the database behind ``--database`` sees: integer keys on PostgreSQL (and
+SQLite, whose lock files are named by them), the ``GET_LOCK`` name on MySQL and MariaDB.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any, TextIO, cast
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from advisory_locks._core.steps import on, run_steps
 from advisory_locks._monitoring import (
     key_arguments,
     key_details,
@@ -29,9 +28,10 @@ from advisory_locks._monitoring import (
     mysql_lock_name,
 )
 from advisory_locks.errors import AdvisoryLockError
-from advisory_locks.keys import KEY_SCHEMES, LockKey, LockName, derive_key
-from advisory_locks_django._binding import DjangoExecutor, backend_for_alias, held_keys
+from advisory_locks.keys import KEY_SCHEMES, LockName, derive_key
+from advisory_locks_django._binding import backend_for_alias
 from advisory_locks_django.conf import lock_settings
+from advisory_locks_django.listing import known_names, list_locks
 
 DIALECTS = ("postgresql", "mysql")
 
@@ -100,17 +100,12 @@ class Command(BaseCommand):
         alias = options["database"]
         if alias not in connections:
             raise CommandError(f"unknown database alias {alias!r}")
-        backend = backend_for_alias(alias)
-        wrapper = connections[alias]
-        wrapper.ensure_connection()
         try:
-            # Listing holds nothing client-side, so a throwaway state dict is enough.
-            executor = DjangoExecutor(wrapper, wrapper.connection, {})
-            rows = run_steps(on(executor, backend.list_locks(executor.state)))
+            rows = list_locks(alias)
         except AdvisoryLockError as error:
             # Worded as the core CLI words it, with the alias in place of the URL.
             raise CommandError(f"cannot list locks on database {alias!r}: {error}") from error
-        names = self._names(alias, options["name"])
+        names = known_names(alias, options["name"])
         if options["json"]:
             documents = [
                 {**lock_document(row), "name": _json_name(names.get(row.key))} for row in rows
@@ -126,26 +121,11 @@ class Command(BaseCommand):
                 shown = ",".join(map(str, key)) if isinstance(key, tuple) else str(key)
                 self.stdout.write(f"  {shown}  {name!r}")
 
-    def _names(self, alias: str, given: list[str]) -> dict[Any, LockName]:
-        """What each key in the listing stands for, where this process can tell."""
-        configured = lock_settings()
-        keys = [
-            derive_key(name, scheme=configured.key_scheme, prefix=configured.key_prefix)
-            for name in given
-        ]
-        # MySQL lists a lock by its GET_LOCK name, PostgreSQL by its integer key(s).
-        listed_as = mysql_lock_name if _dialect(alias) == "mysql" else _integer_key
-        return {listed_as(key): key.name for key in [*keys, *held_keys(alias)]}
-
 
 def _dialect(alias: str) -> str:
     if alias not in connections:
         raise CommandError(f"unknown database alias {alias!r}")
     return backend_for_alias(alias).dialect_name
-
-
-def _integer_key(key: LockKey) -> int | tuple[int, int]:
-    return key.value
 
 
 def _json_name(name: LockName | None) -> object:

@@ -1,0 +1,80 @@
+"""The advisory locks of a Django database, as the management command and the admin page
+show them: the backend's ``list_locks`` on the alias's connection, and the names this
+process can tell for the keys listed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import connections, transaction
+
+from advisory_locks._core.steps import on, run_steps
+from advisory_locks._dialects.base import LockedRow
+from advisory_locks._monitoring import mysql_lock_name
+from advisory_locks.keys import LockName, derive_key
+from advisory_locks_django._binding import DjangoExecutor, backend_for_alias, held_keys
+from advisory_locks_django.conf import lock_settings
+
+__all__ = ["DatabaseLocks", "database_locks", "known_names", "list_locks"]
+
+
+def list_locks(alias: str) -> list[LockedRow]:
+    """Every advisory lock held or awaited on ``alias``'s database (connecting if needed).
+
+    Raises ``UnsupportedFeature`` where the database cannot list them (SQLite, MySQL or
+    MariaDB without a lock table) and the driver's error where it cannot be reached.
+    """
+    backend = backend_for_alias(alias)
+    wrapper = connections[alias]
+    wrapper.ensure_connection()
+    # Listing holds nothing client-side, so a throwaway state dict is enough.
+    executor = DjangoExecutor(wrapper, wrapper.connection, {})
+    return run_steps(on(executor, backend.list_locks(executor.state)))
+
+
+def known_names(alias: str, given: Iterable[LockName] = ()) -> dict[Any, LockName]:
+    """The name each listed key stands for, where this process can tell: the ``given``
+    names (hashed with the project's key scheme and prefix) and the locks any thread of
+    this process holds on ``alias``."""
+    configured = lock_settings()
+    keys = [
+        derive_key(name, scheme=configured.key_scheme, prefix=configured.key_prefix)
+        for name in given
+    ]
+    # MySQL lists a lock by its GET_LOCK name, PostgreSQL by its integer key(s).
+    mysql = backend_for_alias(alias).dialect_name == "mysql"
+    return {
+        (mysql_lock_name(key) if mysql else key.value): key.name
+        for key in [*keys, *held_keys(alias)]
+    }
+
+
+@dataclass
+class DatabaseLocks:
+    """One database's listing, or why there is none."""
+
+    alias: str
+    vendor: str
+    database_name: str
+    rows: list[LockedRow] = field(default_factory=list)
+    names: dict[Any, LockName] = field(default_factory=dict)
+    problem: str | None = None
+
+
+def database_locks(alias: str) -> DatabaseLocks:
+    """The listing of ``alias``; a problem (unsupported, unreachable) becomes ``problem``."""
+    wrapper = connections[alias]
+    listing = DatabaseLocks(alias, wrapper.vendor, str(wrapper.settings_dict.get("NAME", "")))
+    try:
+        # In a savepoint when the request runs in a transaction (ATOMIC_REQUESTS): a
+        # listing that fails must not break it.
+        with transaction.atomic(using=alias):
+            listing.rows = list_locks(alias)
+        listing.names = known_names(alias)
+    except Exception as error:
+        # Shown to the operator in place of the table: SQLite's file locks, a MariaDB
+        # without performance_schema, a server that is down.
+        listing.problem = " ".join(str(error).split()) or type(error).__name__
+    return listing
