@@ -1,4 +1,5 @@
-"""The Django app: registers system checks and signal receivers, nothing else."""
+"""The Django app: registers system checks and signal receivers, nothing else (its admin
+page is registered by Django's admin autodiscovery, from ``admin.py``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from django.db.backends.signals import connection_created
 class AdvisoryLocksConfig(AppConfig):
     name = "advisory_locks_django"
     verbose_name = "Advisory locks"
+    # Pinned, so that a project's DEFAULT_AUTO_FIELD never asks for a migration of the
+    # table-less DatabaseLock model.
+    default_auto_field = "django.db.models.AutoField"
 
     def ready(self) -> None:
         from advisory_locks_django.checks import check_databases, check_settings

@@ -48,7 +48,41 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # The example project's `shop` app is tested here too (tests/example); manage.py would put
 # its folder on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "example_project"))
-INSTALLED_APPS = ["advisory_locks_django", "tests.django_app", "shop"]
+INSTALLED_APPS = [
+    "advisory_locks_django",
+    "tests.django_app",
+    "shop",
+    # The admin, for the "Database locks" page (tests/django/test_django_admin.py).
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+]
+# The live server of the browser test serves the admin's CSS from here.
+STATIC_URL = "/static/"
+MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ROOT_URLCONF = "tests.django_urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
 # SQLite locks are files next to the database file; Django's default SQLite test database
 # is in memory, where they are refused, so the test database is a file too.
 _sqlite_file = str(Path(tempfile.gettempdir()) / f"advisory_locks_{_run}.sqlite3")

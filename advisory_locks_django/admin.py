@@ -1,0 +1,120 @@
+"""The admin's "Database locks" page: the advisory locks held and awaited on each database.
+
+A page of the app's admin (``DatabaseLock`` has no table): staff with the
+``view_databaselock`` permission (superusers have it) see, per configured database, the
+same listing as ``manage.py advisory_locks list``, refreshed every few seconds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final
+
+from django.conf import settings
+from django.contrib import admin
+from django.core.exceptions import PermissionDenied
+from django.db import connections
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
+from django.utils import timezone
+
+from advisory_locks._monitoring import lock_cells
+from advisory_locks_django.listing import DatabaseLocks, database_locks
+from advisory_locks_django.models import DatabaseLock
+
+__all__ = ["DatabaseLockAdmin"]
+
+TEMPLATE: Final = "admin/advisory_locks_django/database_locks.html"
+REFRESH_SECONDS: Final = 5
+MAX_REFRESH_SECONDS: Final = 3600
+
+
+if TYPE_CHECKING:
+    # django-stubs makes ModelAdmin generic; Django's own class cannot be subscripted.
+    ModelAdmin = admin.ModelAdmin[DatabaseLock]
+else:
+    ModelAdmin = admin.ModelAdmin
+
+
+@admin.register(DatabaseLock)
+class DatabaseLockAdmin(ModelAdmin):
+    """Lists the database servers' advisory locks; nothing to add, change or delete."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_urls(self) -> list[URLPattern]:
+        # Only the list: there are no rows to open, and no table behind the model.
+        info = self.opts.app_label, self.opts.model_name
+        view = self.admin_site.admin_view(self.changelist_view)
+        return [path("", view, name="{}_{}_changelist".format(*info))]
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        refresh = _refresh_seconds(request)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "Database locks",
+            "databases": [_shown(database_locks(alias)) for alias in connections],
+            "refresh": refresh,
+            "listed_at": timezone.localtime() if settings.USE_TZ else timezone.now(),
+            **(extra_context or {}),
+        }
+        return TemplateResponse(request, TEMPLATE, context)
+
+
+def _refresh_seconds(request: HttpRequest) -> int:
+    """``?refresh=N`` sets the interval, 0 stops it."""
+    try:
+        seconds = int(request.GET.get("refresh", REFRESH_SECONDS))
+    except ValueError:
+        return REFRESH_SECONDS
+    return max(0, min(seconds, MAX_REFRESH_SECONDS))
+
+
+def _shown(listing: DatabaseLocks) -> dict[str, Any]:
+    """A database's listing as the template shows it: one dict of texts per lock."""
+    locks = []
+    for row in listing.rows:
+        pid, status, mode, duration, key, pg_locks, application, client, state = lock_cells(row)
+        name = listing.names.get(row.key)
+        if name is None and isinstance(row.key, str):
+            name = row.key  # MySQL: the server knows the lock by its GET_LOCK name
+        locks.append(
+            {
+                "pid": pid,
+                "status": status,
+                "mode": mode,
+                "since": duration,
+                "key": key,
+                "pg_locks": pg_locks,
+                "name": "" if name is None else _name_text(name),
+                "application": application,
+                "client": client,
+                "state": state,
+                "query": " ".join(row.query.split()),
+            }
+        )
+    return {
+        "alias": listing.alias,
+        "vendor": listing.vendor,
+        "database_name": listing.database_name,
+        "problem": listing.problem,
+        "locks": locks,
+        "held": sum(1 for row in listing.rows if row.granted),
+        "waiting": sum(1 for row in listing.rows if not row.granted),
+    }
+
+
+def _name_text(name: object) -> str:
+    return ", ".join(map(str, name)) if isinstance(name, tuple) else str(name)
