@@ -26,13 +26,30 @@ from django.db import connections
 
 from advisory_locks import AdvisoryLockError, LockLost
 from advisory_locks_django import advisory_lock, current_advisory_locks
+from tests.databases import psycopg_connect
 from tests.django.support import in_thread, run_in_thread
 from tests.django.wsgi_worker import handle_request, wsgi_worker
 from tests.faults.conftest import inject
-from tests.faults.servers import FaultDatabase
-from tests.helpers import unique_name, wait_for
+from tests.faults.servers import FaultDatabase, postgres_holder
+from tests.helpers import backend_alive, unique_name, wait_for
 
 pytestmark = pytest.mark.faults
+
+
+@pytest.fixture
+def holder(database: FaultDatabase, django_alias: str) -> Iterator[Any]:
+    """Who holds a name on the database behind ``django_alias``, seen from outside.
+
+    On PostgreSQL that alias is the test database pytest-django made (when a test that
+    needs tables ran first), which pg_locks tells apart from the server's own.
+    """
+    if database.name != "postgresql":
+        yield database.holder
+        return
+    with psycopg_connect(
+        database.url.set(database=connections.settings[django_alias]["NAME"]), autocommit=True
+    ) as admin:
+        yield postgres_holder(admin)
 
 
 @pytest.fixture
@@ -62,7 +79,7 @@ def _free(name: str, alias: str) -> bool:
 
 
 def test_a_lock_a_request_left_held_is_released_when_the_request_ends(
-    database: FaultDatabase, persistent_alias: str, caplog: pytest.LogCaptureFixture
+    holder: Any, persistent_alias: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     name = unique_name("django-request-leak")
     box: dict[str, Any] = {}
@@ -76,7 +93,7 @@ def test_a_lock_a_request_left_held_is_released_when_the_request_ends(
     with caplog.at_level(logging.WARNING, logger="advisory_locks_django"), wsgi_worker() as worker:
         assert worker.request(leak).body == "True"
         inject("Django request ended holding a lock")
-        assert database.holder(name) is None
+        assert holder(name) is None
         assert name in caplog.text
         # The next request runs on the same, still open, connection, which holds nothing.
         after = worker.request(
@@ -93,16 +110,16 @@ def test_a_lock_a_request_left_held_is_released_when_the_request_ends(
 
 
 def test_a_lock_taken_outside_any_request_outlives_requests_in_its_thread(
-    database: FaultDatabase, persistent_alias: str
+    holder: Any, persistent_alias: str
 ) -> None:
     # A management command or a worker thread holding a lock while it also handles a
     # request (or a test that holds one around the test client) keeps it.
     name = unique_name("django-outside-request")
     with advisory_lock(name, using=persistent_alias) as lock:
         assert handle_request(lambda: current_advisory_locks(persistent_alias)).status == 200
-        assert database.holder(name) is not None
+        assert holder(name) is not None
         lock.ensure_held()
-    assert database.holder(name) is None
+    assert holder(name) is None
 
 
 # -- a killed connection: LockLost, a typed error, and the next request reconnects --------
@@ -145,7 +162,7 @@ def test_a_lock_whose_connection_is_killed_mid_request_is_lost_and_the_next_requ
 
 
 def test_taking_a_lock_on_a_killed_connection_is_a_typed_error_and_the_next_request_works(
-    database: FaultDatabase, persistent_alias: str
+    database: FaultDatabase, holder: Any, persistent_alias: str
 ) -> None:
     name = unique_name("django-acquire-killed")
     box: dict[str, Any] = {}
@@ -164,7 +181,31 @@ def test_taking_a_lock_on_a_killed_connection_is_a_typed_error_and_the_next_requ
             lambda: advisory_lock(name, using=persistent_alias, timeout=0).acquire()
         )
     assert again.body == "True"
-    assert database.holder(name) is None
+    assert holder(name) is None
+
+
+@pytest.mark.postgresql
+def test_a_lock_whose_session_the_server_ended_for_idling_is_lost(
+    pg_admin: Any, django_db_blocker: Any
+) -> None:
+    # idle_session_timeout (57P05) is no error code a driver names "connection gone";
+    # Django's own health check tells, and Django reconnects for the next lock.
+    name = unique_name("django-idle-session")
+    with django_db_blocker.unblock():
+        lock = advisory_lock(name)
+        lock.acquire()
+        connections["default"].cursor().execute("SET idle_session_timeout = 100")
+        pid = connections["default"].connection.info.backend_pid
+        wait_for(lambda: not backend_alive(pg_admin, pid), "the server ended the idle session")
+        inject("idle session timeout")
+        with pytest.raises(LockLost, match="connection"):
+            lock.ensure_held()
+        with pytest.raises(LockLost):
+            lock.release()
+        again = advisory_lock(name, timeout=0)
+        assert again.acquire() is True
+        again.release()
+        connections["default"].close()
 
 
 # -- fork: a child never releases its parent's lock -----------------------------------------
@@ -186,9 +227,10 @@ def _child_of_a_lock_holder(lock: Any, alias: str, name: str, report: Any) -> No
         report.send(traceback.format_exc())
 
 
-def test_a_forked_child_never_releases_its_parents_lock(
-    database: FaultDatabase, django_alias: str
-) -> None:
+# Python 3.12+ warns about forking a process with threads (the test run has some);
+# gunicorn forks from a master without any, which is the shape this stands for.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_never_releases_its_parents_lock(holder: Any, django_alias: str) -> None:
     name = unique_name("django-fork")
     context = multiprocessing.get_context("fork")
     receiving, sending = context.Pipe(duplex=False)
@@ -201,10 +243,10 @@ def test_a_forked_child_never_releases_its_parents_lock(
         child.join(60)
         assert receiving.poll(5)
         assert receiving.recv() == "ok"
-        assert database.holder(name) is not None
+        assert holder(name) is not None
         lock.ensure_held()
         assert not _free(name, django_alias)
-    assert database.holder(name) is None
+    assert holder(name) is None
 
 
 # -- cancellation: an abandoned wait is never granted ---------------------------------------
@@ -224,11 +266,11 @@ def _hold_until(name: str, alias: str, release: threading.Event, seconds: float)
 
 
 async def test_an_abandoned_async_acquire_is_never_granted_afterwards(
-    database: FaultDatabase, django_alias: str
+    holder: Any, django_alias: str
 ) -> None:
     name = unique_name("django-cancel")
     release = threading.Event()
-    holder = await sync_to_async(_hold_until, thread_sensitive=False)(
+    holding = await sync_to_async(_hold_until, thread_sensitive=False)(
         name, django_alias, release, 30
     )
     try:
@@ -239,13 +281,13 @@ async def test_an_abandoned_async_acquire_is_never_granted_afterwards(
         assert time.monotonic() - started < 2
     finally:
         release.set()
-        await sync_to_async(holder.get, thread_sensitive=False)()
+        await sync_to_async(holding.get, thread_sensitive=False)()
         # The thread that ran the abandoned wait goes on to other work; its connection
         # must hold nothing (on a server, the abandoned waiter was first in line).
         assert await sync_to_async(current_advisory_locks)(django_alias) == []
     assert await sync_to_async(_free, thread_sensitive=False)(name, django_alias)
     await sync_to_async(connections.close_all)()
-    assert database.holder(name) is None
+    assert holder(name) is None
 
 
 def test_wait_for_in_an_async_view_answers_at_its_timeout(
