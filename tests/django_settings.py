@@ -46,7 +46,7 @@ def _database(test_name: str) -> dict[str, object]:
 
 SECRET_KEY = "advisory-locks-tests"
 # Tests that run real requests serve tests/django_app/urls.py from a WSGI server on the
-# loopback address (tests/django/wsgi_worker.py).
+# loopback address (tests/django/real_requests.py).
 ROOT_URLCONF = "tests.django_app.urls"
 ALLOWED_HOSTS = ["127.0.0.1"]
 USE_TZ = True

@@ -19,8 +19,8 @@ from django.db import connections
 from psycopg.rows import TupleRow
 
 from advisory_locks_django import LockLost, advisory_lock, current_advisory_locks
+from tests.django.real_requests import wsgi_worker
 from tests.django.support import holders, in_thread, run_in_thread, server_pid
-from tests.django.wsgi_worker import wsgi_worker
 from tests.helpers import unique_name
 
 pytestmark = [

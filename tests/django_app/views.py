@@ -8,7 +8,7 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 
-# Registered by tests/django/wsgi_worker.py; a job's return value is the response body.
+# Registered by tests/django/real_requests.py; a job's return value is the response body.
 JOBS: dict[str, Callable[[], Any]] = {}
 
 

@@ -2,7 +2,7 @@
 across requests, connections killed under a request, forked workers, and async views
 that give up waiting.
 
-Requests here are real: a WSGI server worker thread (tests/django/wsgi_worker.py) or
+Requests here are real: a WSGI server worker thread (tests/django/real_requests.py) or
 WSGIHandler called in place, so request_started, request_finished and Django's own
 close_old_connections() run as in production. Django 5.1+'s native pool is
 tests/django/test_django_pool.py (PostgreSQL only).
@@ -27,8 +27,8 @@ from django.db import connections
 from advisory_locks import AdvisoryLockError, LockLost
 from advisory_locks_django import advisory_lock, current_advisory_locks
 from tests.databases import psycopg_connect
+from tests.django.real_requests import asgi_request, handle_request, wsgi_worker
 from tests.django.support import in_thread, run_in_thread
-from tests.django.wsgi_worker import handle_request, wsgi_worker
 from tests.faults.conftest import inject
 from tests.faults.servers import FaultDatabase, postgres_holder
 from tests.helpers import backend_alive, unique_name, wait_for
@@ -290,24 +290,47 @@ async def test_an_abandoned_async_acquire_is_never_granted_afterwards(
     assert holder(name) is None
 
 
+def _give_up_after_a_moment(name: str, alias: str) -> Any:
+    async def give_up() -> str:
+        try:
+            await asyncio.wait_for(advisory_lock(name, using=alias).aacquire(), 0.2)
+        except TimeoutError:
+            return "gave up"
+        return "granted"
+
+    return give_up
+
+
+async def test_wait_for_in_an_async_view_under_asgi_answers_at_its_timeout(
+    database: FaultDatabase, django_alias: str
+) -> None:
+    name = unique_name("django-asgi-view")
+    release = threading.Event()
+    holding = await sync_to_async(_hold_until, thread_sensitive=False)(
+        name, django_alias, release, 3
+    )
+    try:
+        response = await asgi_request(_give_up_after_a_moment(name, django_alias))
+        inject("async acquire cancelled")
+    finally:
+        release.set()
+        await sync_to_async(holding.get, thread_sensitive=False)()
+    assert response.body == "'gave up'", response.error
+    assert response.seconds < 2
+    assert await sync_to_async(_free, thread_sensitive=False)(name, django_alias)
+
+
 def test_wait_for_in_an_async_view_answers_at_its_timeout(
     database: FaultDatabase, django_alias: str
 ) -> None:
     name = unique_name("django-async-view")
     release = threading.Event()
 
-    async def give_up_after_a_moment() -> str:
-        try:
-            await asyncio.wait_for(advisory_lock(name, using=django_alias).aacquire(), 0.2)
-        except TimeoutError:
-            return "gave up"
-        return "granted"
-
     # The holder lets go after 3 s at the latest: without cancellation reaching the wait,
     # the view answered only then.
     holder = _hold_until(name, django_alias, release, 3)
     with wsgi_worker() as worker:
-        response = worker.async_request(give_up_after_a_moment)
+        response = worker.async_request(_give_up_after_a_moment(name, django_alias))
         inject("async acquire cancelled")
         release.set()
         holder.get()

@@ -1,4 +1,5 @@
-"""Real Django requests for tests: a WSGI server worker thread, and one request run in place.
+"""Real Django requests for tests: a WSGI server worker thread, one WSGI request run in
+place, and one ASGI request run on the caller's event loop.
 
 The test client keeps the test's connections open and disconnects Django's
 ``close_old_connections`` while it runs, which hides exactly what happens to connections
@@ -9,6 +10,7 @@ does: ``request_started``, the view, the response's ``close()`` sending
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import itertools
 import threading
@@ -20,12 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
+from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.wsgi import WSGIHandler
 from django.db import connections
 
 from tests.django_app.views import JOBS
 
-__all__ = ["Response", "WSGIWorker", "handle_request", "wsgi_worker"]
+__all__ = ["Response", "WSGIWorker", "asgi_request", "handle_request", "wsgi_worker"]
 
 _job_ids = itertools.count()
 
@@ -152,3 +155,49 @@ def handle_request(job: Callable[[], Any]) -> Response:
     return Response(
         int(statuses[0].split()[0]), body, errors.pop(job_id, None), time.monotonic() - started
     )
+
+
+async def asgi_request(job: Callable[[], Any]) -> Response:
+    """Run the coroutine function ``job`` in an async view of one request handled by
+    Django's ASGIHandler, as an ASGI server (uvicorn, daphne) would call it: sync work of
+    the request runs in the request's own thread (asgiref's ThreadSensitiveContext)."""
+    errors: dict[str, BaseException] = {}
+    path = f"/async-job/{_register_async(job, errors)}/"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 80),
+    }
+    body_sent = False
+    disconnected = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await disconnected.wait()  # the client stays until the response is complete
+        return {"type": "http.disconnect"}
+
+    messages: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+
+    started = time.monotonic()
+    try:
+        await ASGIHandler()(scope, receive, send)
+    finally:
+        disconnected.set()
+    status = next(m["status"] for m in messages if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+    job_id = path.rstrip("/").rsplit("/", 1)[-1]
+    return Response(status, body.decode(), errors.pop(job_id, None), time.monotonic() - started)
