@@ -55,7 +55,13 @@ from advisory_locks._core.executors import DBAPIExecutor, detach_inherited_conne
 from advisory_locks._core.steps import Executor, Statement, on, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
 from advisory_locks.errors import UnsupportedFeature
-from advisory_locks_django._compat import on_commit_callbacks, uses_pool
+from advisory_locks_django._compat import (
+    django_errors,
+    new_wrapper,
+    on_commit_callbacks,
+    refuse_broken_transaction,
+    uses_pool,
+)
 from advisory_locks_django.conf import SESSION_UNSAFE_POOLERS, lock_settings
 
 if TYPE_CHECKING:
@@ -360,7 +366,7 @@ def _unlock_request_leftovers(wrapper: BaseDatabaseWrapper) -> None:
 def open_other_connection(alias: str) -> tuple[Executor, Callable[[], None]]:
     """A new connection to ``alias``'s database beside this thread's, and how to close it
     (for statements the thread's own connection cannot run while it waits)."""
-    other = connections.create_connection(alias)
+    other = new_wrapper(alias)
     other.ensure_connection()
     return DBAPIExecutor(other.connection), other.close
 
@@ -403,7 +409,7 @@ class DjangoExecutor:
         return self._executor.state
 
     def execute(self, statement: Statement) -> object:
-        with self.wrapper.wrap_database_errors:
+        with django_errors(self.wrapper):
             return self._executor.execute(statement)
 
 
@@ -460,7 +466,7 @@ class DjangoBorrow:
             )
         own_connection(wrapper)
         # Like a query, taking a lock in a transaction Django knows is broken is refused.
-        wrapper.validate_no_broken_transaction()
+        refuse_broken_transaction(wrapper)
         self.wrapper = wrapper
         self.dbapi_connection = wrapper.connection
         self.registry = self.state = connection_locks(wrapper, site.backend)

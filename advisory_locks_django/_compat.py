@@ -10,14 +10,25 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Final
 
+from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["CHECKED_DJANGO_VERSIONS", "install_close_hook", "on_commit_callbacks", "uses_pool"]
+__all__ = [
+    "CHECKED_DJANGO_VERSIONS",
+    "connection_usable",
+    "django_errors",
+    "install_close_hook",
+    "new_wrapper",
+    "on_commit_callbacks",
+    "refuse_broken_transaction",
+    "uses_pool",
+]
 
 CHECKED_DJANGO_VERSIONS: Final = ((4, 2), (5, 2), (6, 0))
 
@@ -76,3 +87,30 @@ def uses_pool(wrapper: BaseDatabaseWrapper) -> bool:
     ``"pool"`` option); other backends have no such attribute.
     """
     return getattr(wrapper, "pool", None) is not None
+
+
+def django_errors(wrapper: BaseDatabaseWrapper) -> AbstractContextManager[None]:
+    """Turn DB-API errors raised inside into ``django.db`` errors, as Django's cursors do.
+
+    ``wrap_database_errors`` also sets ``errors_occurred``, which Django's end-of-request
+    health check reads: Django learns of a failed lock statement as of a failed query.
+    """
+    return wrapper.wrap_database_errors
+
+
+def refuse_broken_transaction(wrapper: BaseDatabaseWrapper) -> None:
+    """Raise ``TransactionManagementError`` inside an ``atomic()`` block that must roll
+    back, as every query Django runs there would (``validate_no_broken_transaction``)."""
+    wrapper.validate_no_broken_transaction()
+
+
+def connection_usable(wrapper: BaseDatabaseWrapper) -> bool:
+    """Django's own health check of an open connection (``is_usable()``: ``SELECT 1`` on
+    PostgreSQL, ``ping()`` on MySQL, always True on SQLite); never raises."""
+    return bool(wrapper.is_usable())
+
+
+def new_wrapper(alias: str) -> BaseDatabaseWrapper:
+    """A connection wrapper for ``alias`` that is no thread's (``create_connection``, the
+    factory ``connections[alias]`` uses); the caller closes it."""
+    return connections.create_connection(alias)

@@ -50,6 +50,7 @@ from advisory_locks_django._binding import (
     own_connection,
     release_pending,
 )
+from advisory_locks_django._compat import connection_usable
 from advisory_locks_django.conf import lock_settings
 
 __all__ = ["DjangoAdvisoryLock", "NameSpec", "advisory_lock", "current_advisory_locks"]
@@ -301,7 +302,9 @@ class DjangoAdvisoryLock:
         gone = self._site.backend.is_connection_failure(error) or (
             # Only outside a transaction: inside one, a failed statement fails the health
             # check's query too, although the connection is fine.
-            wrapper.connection is not None and wrapper.get_autocommit() and not wrapper.is_usable()
+            wrapper.connection is not None
+            and wrapper.get_autocommit()
+            and not connection_usable(wrapper)
         )
         if gone and wrapper.connection is not None:
             wrapper.close()
