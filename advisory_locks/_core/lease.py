@@ -237,22 +237,24 @@ def loss_error(holding: LeaseHolding, row: LeaseRow | None, reason: str) -> Lock
             holder=row.holder,
             token=row.token,
         )
-    return LockLost(f"lease {holding.name!r} (token {holding.token}) was lost; {reason}", name=holding.name)
+    return LockLost(
+        f"lease {holding.name!r} (token {holding.token}) was lost; {reason}", name=holding.name
+    )
 
 
 def still_ours(holding: LeaseHolding, row: LeaseRow | None) -> bool:
-    return row is not None and row.held and (row.holder, row.token) == (holding.holder, holding.token)
+    return (
+        row is not None and row.held and (row.holder, row.token) == (holding.holder, holding.token)
+    )
 
 
 def wait_pause(expires_in: float | None, left: float | None) -> float:
     """How long a waiter sleeps before its next attempt: until the expiry it read (the
     holder cannot lose the lease earlier, short of releasing it), capped, with jitter so
     that waiters reading one expiry do not all arrive in the same millisecond."""
-    if expires_in is None:
-        base = MAX_WAIT_PAUSE / 4  # the row was locked (fenced), its expiry unknown
-    else:
-        base = min(max(expires_in, 0.0), MAX_WAIT_PAUSE)
-    pause = base + random.uniform(0.0, WAIT_JITTER)  # noqa: S311 - jitter, not secrets
+    # expires_in None: the row was locked (fenced), its expiry could not be read.
+    base = MAX_WAIT_PAUSE / 4 if expires_in is None else min(max(expires_in, 0.0), MAX_WAIT_PAUSE)
+    pause = base + random.uniform(0.0, WAIT_JITTER)
     return pause if left is None else max(0.0, min(pause, left))
 
 
@@ -265,6 +267,10 @@ class LeaseLock(LockContract):
     lease was lost inside the block) and an explicit ``acquire()`` / ``release()`` pair.
     One object is one holder: it is not re-entrant, and two objects for one name exclude
     each other, also in one thread. Do not construct it directly.
+
+    ``lost`` is a ``threading.Event`` set as soon as this process learns that the lease
+    it holds was lost (a renewal found it taken, or its renewals stopped for too long);
+    it is cleared by the next successful ``acquire()``.
     """
 
     __slots__ = ("_holding", "_last_token", "_site", "lease_name", "lost", "options", "user_name")
@@ -346,17 +352,35 @@ class LeaseLock(LockContract):
             # Declared lost locally (paused past its deadline) but nobody took it: free
             # it now rather than make the next holder wait for the expiry.
             run_steps(self._release_steps(holding), self._site)
-        raise self._learn_loss(holding, "its renewals stopped for longer than its ttl", row=row, asked=True)
+        raise self._learn_loss(
+            holding, "its renewals stopped for longer than its ttl", row=row, asked=True
+        )
 
     def ensure_held(self) -> None:
         """Raise ``LockStolen`` / ``LockLost`` unless the lease is still ours.
 
-        One round trip: reads the lease row (never waits for a fenced row).
+        One round trip: reads the lease row (never waits for a fenced row). If the
+        database cannot be reached, the local deadline decides: the database cannot
+        expire the lease before it (its expiry is counted from a later instant).
         """
         holding = self._current_holding()
-        row = self._row_or_none(holding, raise_missing=True)
-        if not still_ours(holding, row):
-            raise self._learn_loss(holding, "ensure_held() found it gone", row=row, asked=True)
+        backend = self._site.backend
+        for attempt in range(2):
+            try:
+                rows = run_steps(self._rows_steps(holding), self._site)
+            except Exception as error:
+                if not backend.is_connection_failure(error):
+                    raise
+                # The first try may meet a pooled connection that died meanwhile.
+                logger.debug("ensure_held() could not read lease %r", self.name, exc_info=True)
+                if attempt:
+                    self._current_holding()  # the local deadline, again
+                    return
+                continue
+            row = rows[0] if rows else None
+            if not still_ours(holding, row):
+                raise self._learn_loss(holding, "ensure_held() found it gone", row=row, asked=True)
+            return
 
     def fence(self, bind: object) -> None:
         """Inside ``bind``'s current transaction, prove the lease is still ours and keep any
@@ -388,7 +412,9 @@ class LeaseLock(LockContract):
         timeout = self.options.timeout
         if timeout == 0:
             return LockNotAcquired(f"lease {self.name!r} is held elsewhere", name=self.name)
-        return LockTimeout(f"lease {self.name!r} was not granted within {timeout} s", name=self.name)
+        return LockTimeout(
+            f"lease {self.name!r} was not granted within {timeout} s", name=self.name
+        )
 
     # -- the rules ------------------------------------------------------------------------
 
@@ -503,13 +529,9 @@ class LeaseLock(LockContract):
         self._holding = None
         renewer().forget(holding)
 
-    def _row_or_none(self, holding: LeaseHolding, *, raise_missing: bool = False) -> LeaseRow | None:
+    def _row_or_none(self, holding: LeaseHolding) -> LeaseRow | None:
         try:
             rows = run_steps(self._rows_steps(holding), self._site)
-        except LeaseTableMissing:
-            if raise_missing:
-                raise
-            return None
         except Exception:
             logger.debug("could not ask who holds lease %r", holding.name, exc_info=True)
             return None
@@ -533,4 +555,3 @@ class LeaseLock(LockContract):
         if holding.mark_lost(loss):
             logger.warning("%s", loss)
         return holding.loss or loss
-

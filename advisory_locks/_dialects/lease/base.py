@@ -21,8 +21,8 @@ from advisory_locks._core.steps import Statement
 
 __all__ = [
     "LEASE_TABLE",
-    "MAX_LEASE_NAME_CHARS",
     "MAX_HOLDER_CHARS",
+    "MAX_LEASE_NAME_CHARS",
     "Attempt",
     "LeaseBackend",
     "LeaseRow",
@@ -95,11 +95,9 @@ class LeaseBackend(Protocol):
         transaction keeps locked: 0 does not wait, None waits until that transaction ends.
         """
 
-    def renew(
-        self, leases: Sequence[tuple[str, str, int]], ttl: float
-    ) -> StatementSteps[set[str]]:
-        """Extend every ``(name, holder, token)`` holding that is still unexpired by
-        ``ttl`` seconds; return the names renewed. Rows locked by another transaction are skipped, never
+    def renew(self, leases: Sequence[tuple[str, str, int]], ttl: float) -> StatementSteps[set[str]]:
+        """Extend every unexpired ``(name, holder, token)`` holding by ``ttl`` seconds;
+        return the names renewed. Rows locked by another transaction are skipped, never
         waited for (a renewal must not stall the rest of its batch)."""
 
     def release(self, name: str, holder: str, token: int) -> StatementSteps[bool]:

@@ -125,7 +125,9 @@ class MySQLLeaseBackend:
             sql = f"SET STATEMENT innodb_lock_wait_timeout = {seconds} FOR {UPSERT_SQL}"
         else:
             sql = UPSERT_SQL.replace(
-                "INSERT INTO", f"INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {seconds}) */ INTO", 1
+                "INSERT INTO",
+                f"INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {seconds}) */ INTO",
+                1,
             )
         try:
             yield Statement(ROWS, sql, (name, holder, _microseconds(ttl)))
@@ -143,9 +145,7 @@ class MySQLLeaseBackend:
             return Attempt(int(token))
         return Attempt(None, _seconds(expires_in))
 
-    def renew(
-        self, leases: Sequence[tuple[str, str, int]], ttl: float
-    ) -> StatementSteps[set[str]]:
+    def renew(self, leases: Sequence[tuple[str, str, int]], ttl: float) -> StatementSteps[set[str]]:
         wanted = {name: (holder, token) for name, holder, token in leases}
         marks = _marks(len(wanted))
         yield Statement(SCRIPT, "START TRANSACTION")

@@ -149,9 +149,7 @@ class PostgresLeaseBackend:
         current = yield from self.rows([name])
         return Attempt(None, current[0].expires_in if current else None)
 
-    def renew(
-        self, leases: Sequence[tuple[str, str, int]], ttl: float
-    ) -> StatementSteps[set[str]]:
+    def renew(self, leases: Sequence[tuple[str, str, int]], ttl: float) -> StatementSteps[set[str]]:
         names = [name for name, _holder, _token in leases]
         holders = [holder for _name, holder, _token in leases]
         tokens = [token for _name, _holder, token in leases]

@@ -130,9 +130,7 @@ class SQLiteLeaseBackend:
         current = yield from self.rows([name])
         return Attempt(None, current[0].expires_in if current else None)
 
-    def renew(
-        self, leases: Sequence[tuple[str, str, int]], ttl: float
-    ) -> StatementSteps[set[str]]:
+    def renew(self, leases: Sequence[tuple[str, str, int]], ttl: float) -> StatementSteps[set[str]]:
         triples = ", ".join(["(?, ?, ?)"] * len(leases))
         parameters: list[object] = [_modifier(ttl)]
         for lease in leases:
