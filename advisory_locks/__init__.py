@@ -1,10 +1,10 @@
 """Database-held named locks for SQLAlchemy, Django and the raw database drivers.
 
 Public API: ``advisory_lock()``, ``advisory_lock_set()``, ``current_advisory_locks()``,
-``lock_key()``, the lock objects and the errors below. Importing this package loads no ORM
-and no driver: the binding for a bind is imported the first time such a bind is used
-(``import advisory_locks.sqlalchemy`` early to register SQLAlchemy's listeners before the
-first connection, see docs/concepts/architecture.md).
+``lease_lock()``, ``lock_key()``, the lock objects and the errors below. Importing this
+package loads no ORM and no driver: the binding for a bind is imported the first time
+such a bind is used (``import advisory_locks.sqlalchemy`` early to register SQLAlchemy's
+listeners before the first connection, see docs/concepts/architecture.md).
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ from advisory_locks._core.dispatch import (
     advisory_lock,
     advisory_lock_set,
     current_advisory_locks,
+    lease_lock,
 )
+from advisory_locks._core.lease import LeaseLock
 from advisory_locks.errors import (
     AdvisoryLockError,
+    LeaseTableMissing,
     LockDeadlock,
     LockLost,
     LockNotAcquired,
+    LockStolen,
     LockTimeout,
     LockUsageError,
     UnsupportedDatabase,
@@ -38,10 +42,13 @@ __all__ = [
     "AdvisoryLockSet",
     "AsyncAdvisoryLock",
     "AsyncAdvisoryLockSet",
+    "LeaseLock",
+    "LeaseTableMissing",
     "LockDeadlock",
     "LockLost",
     "LockName",
     "LockNotAcquired",
+    "LockStolen",
     "LockTimeout",
     "LockUsageError",
     "UnsupportedDatabase",
@@ -49,6 +56,7 @@ __all__ = [
     "advisory_lock",
     "advisory_lock_set",
     "current_advisory_locks",
+    "lease_lock",
     "lock_key",
 ]
 
