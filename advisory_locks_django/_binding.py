@@ -275,7 +275,12 @@ def connection_closing(wrapper: BaseDatabaseWrapper) -> None:
         locks.django_connection_gone()
         return
     if locks.inherited:
-        detach_inherited_connection(dbapi)
+        try:
+            detach_inherited_connection(dbapi)
+        except OSError:
+            # Out of descriptors, say: Django's close must still run; the parent's
+            # session may end with it, which is what Django does without this app.
+            logger.warning("could not cut an inherited connection off the server", exc_info=True)
         if uses_pool(wrapper):
             dbapi.close()  # so that the pool discards it rather than lend it out again
         locks.django_connection_gone()
