@@ -41,8 +41,11 @@ __all__ = [
 # The binding modules to import for a bind whose class comes from this top-level package.
 BINDING_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "sqlalchemy": ("advisory_locks._bindings.sqlalchemy",),
-    "psycopg": ("advisory_locks._bindings.psycopg",),
-    "psycopg_pool": ("advisory_locks._bindings.psycopg",),
+    "psycopg": ("advisory_locks._bindings.psycopg", "advisory_locks._bindings.psycopg_async"),
+    "psycopg_pool": (
+        "advisory_locks._bindings.psycopg",
+        "advisory_locks._bindings.psycopg_async",
+    ),
     "psycopg2": ("advisory_locks._bindings.psycopg2",),
     "asyncpg": ("advisory_locks._bindings.asyncpg",),
     "pymysql": ("advisory_locks._bindings.mysql",),
