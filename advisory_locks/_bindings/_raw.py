@@ -48,6 +48,7 @@ are then refused unless the application declared the pooler with ``declare_poole
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
@@ -365,9 +366,15 @@ class SyncAutocommitExecutor:
             return self._inner.execute(statement)
         driver.set_autocommit(connection, True)
         try:
-            return self._inner.execute(statement)
-        finally:
-            driver.set_autocommit(connection, False)
+            result = self._inner.execute(statement)
+        except BaseException:
+            # A connection that broke cannot be switched back, and the statement's own
+            # error is the one to report.
+            with contextlib.suppress(Exception):
+                driver.set_autocommit(connection, False)
+            raise
+        driver.set_autocommit(connection, False)
+        return result
 
 
 class AutocommitExecutor(SyncAutocommitExecutor):
@@ -382,9 +389,13 @@ class AutocommitExecutor(SyncAutocommitExecutor):
         assert isinstance(driver, AsyncRawDriver)
         await driver.aset_autocommit(connection, True)
         try:
-            return await self._inner.execute(statement)
-        finally:
-            await driver.aset_autocommit(connection, False)
+            result = await self._inner.execute(statement)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await driver.aset_autocommit(connection, False)
+            raise
+        await driver.aset_autocommit(connection, False)
+        return result
 
 
 # -- a caller's connection ---------------------------------------------------------------------
