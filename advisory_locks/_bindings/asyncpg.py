@@ -14,7 +14,7 @@ and ``ensure_held()`` raise ``LockLost``.
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
+from typing import Any, Final
 
 from asyncpg.connection import Connection
 from asyncpg.pool import Pool, PoolConnectionProxy
@@ -25,6 +25,9 @@ from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
 
 __all__ = ["AsyncpgDriver", "AsyncpgExecutor"]
+
+# How long a discarded connection may take to close gracefully before its socket is cut.
+CLOSE_TIMEOUT_SECONDS: Final = 5.0
 
 
 @cache
@@ -86,9 +89,20 @@ class AsyncpgDriver(AsyncRawDriver):
         raise AssertionError("asyncpg connections are always in autocommit")
 
     async def adiscard(self, bind: Any) -> None:
-        # Closes the socket at once; a pool connection goes back to its pool, which
-        # replaces it.
-        bind.terminate()
+        # A pool connection goes back to its pool, which replaces it; one whose socket
+        # already closed went back by itself.
+        connection = compat.physical_connection(bind)
+        if connection is None or connection.is_closed():
+            return
+        try:
+            # A cancelled statement leaves asyncpg sending a cancel request; the server
+            # ends a lock wait only when that arrives, or when the lock is granted to it
+            # (a backend blocked in a wait does not notice its client went away). A
+            # graceful close waits for the cancellation first (asyncpg >= 0.30), so the
+            # abandoned wait ends now instead of taking the lock from the next waiter.
+            await connection.close(timeout=CLOSE_TIMEOUT_SECONDS)
+        except Exception:
+            connection.terminate()
 
     async def acheckout(self, pool: Any) -> Any:
         return await pool.acquire()
