@@ -18,9 +18,17 @@ from advisory_locks._core.contract import LockOptions, Timeout
 from advisory_locks.keys import LockKey, LockName, derive_key
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import psycopg
+    import psycopg_pool
     from sqlalchemy.engine import Connection, Engine
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
     from sqlalchemy.orm import Session
+
+    # Typed raw drivers (asyncpg and psycopg2 ship no types: their binds are Any).
+    SyncRawBind: TypeAlias = psycopg.Connection[Any] | psycopg_pool.ConnectionPool[Any]
+    AsyncRawBind: TypeAlias = psycopg.AsyncConnection[Any] | psycopg_pool.AsyncConnectionPool[Any]
 
     from advisory_locks._core.advisory import (
         AdvisoryLock,
@@ -119,7 +127,7 @@ def _registered_for(cls: type) -> Binding | None:
 
 @overload
 def advisory_lock(
-    bind: Session | Connection | Engine,
+    bind: Session | Connection | Engine | SyncRawBind,
     name: LockName,
     *,
     timeout: Timeout = None,
@@ -132,7 +140,7 @@ def advisory_lock(
 
 @overload
 def advisory_lock(
-    bind: AsyncSession | AsyncConnection | AsyncEngine,
+    bind: AsyncSession | AsyncConnection | AsyncEngine | AsyncRawBind,
     name: LockName,
     *,
     timeout: Timeout = None,
@@ -208,7 +216,7 @@ def advisory_lock(
 
 @overload
 def advisory_lock_set(
-    bind: Session | Connection | Engine,
+    bind: Session | Connection | Engine | SyncRawBind,
     names: Iterable[LockName],
     *,
     timeout: Timeout = None,
@@ -221,7 +229,7 @@ def advisory_lock_set(
 
 @overload
 def advisory_lock_set(
-    bind: AsyncSession | AsyncConnection | AsyncEngine,
+    bind: AsyncSession | AsyncConnection | AsyncEngine | AsyncRawBind,
     names: Iterable[LockName],
     *,
     timeout: Timeout = None,
