@@ -186,7 +186,7 @@ def test_a_raw_psycopg_connection_is_a_bind(pg_admin: Admin) -> None:
 
 
 def test_an_object_no_binding_understands_is_a_type_error() -> None:
-    with pytest.raises(TypeError, match="not builtins.object"):
+    with pytest.raises(TypeError, match=r"not builtins\.object"):
         advisory_lock(object(), "a good name")
 
 
@@ -196,11 +196,11 @@ def test_bad_input_on_a_raw_connection_fails_before_touching_it(postgres_url: UR
     closed = psycopg_connect(postgres_url)
     closed.close()
     with pytest.raises(TypeError):
-        advisory_lock(closed, b"bytes")  # type: ignore[arg-type]
+        advisory_lock(closed, b"bytes")  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="timeout"):
         advisory_lock(closed, "a good name", timeout=-1)
     with pytest.raises(TypeError, match="shared"):
-        advisory_lock(closed, "a good name", shared="yes")  # type: ignore[arg-type]
+        advisory_lock(closed, "a good name", shared="yes")  # type: ignore[call-overload]
     with pytest.raises(AdvisoryLockError, match="closed"):
         advisory_lock(closed, "a good name").acquire()
 
