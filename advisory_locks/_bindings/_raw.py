@@ -465,10 +465,30 @@ class ConnectionSite:
         self.backend = backend_for_dialect(driver.dialect)
 
     def borrow(self, *, transaction: bool) -> ConnectionBorrow:
-        return run_steps(self.prepare(transaction))
+        borrow = None if transaction else self._ready()
+        return borrow if borrow is not None else run_steps(self.prepare(transaction))
 
     async def aborrow(self, *, transaction: bool) -> ConnectionBorrow:
-        return await arun_steps(self.prepare(transaction))
+        borrow = None if transaction else self._ready()
+        return borrow if borrow is not None else await arun_steps(self.prepare(transaction))
+
+    def _ready(self) -> ConnectionBorrow | None:
+        """The usual session-lock borrow, which needs no statement: the server was checked
+        on this connection before (no pooler in between), no pooler is declared anywhere
+        and no unlock waits. None sends the borrow down the full path (``prepare``)."""
+        if _declared_weak or _declared_strong:
+            return None
+        driver = self.driver
+        connection = driver.physical(self.bind)
+        state = None if connection is None else _states.get(connection)
+        if state is None or state.behind_proxy is not False or driver.is_closed(connection):
+            return None
+        state.observe()
+        state.epoch = driver.epoch(connection)
+        status = driver.status(connection)
+        if state.pending_release or status == FAILED:
+            return None
+        return ConnectionBorrow(self, connection, state.session_executor, state, status != IDLE)
 
     def run(self, steps: Steps[Any]) -> Awaitable[Any]:
         return arun_steps(steps, self)
