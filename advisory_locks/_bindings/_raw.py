@@ -118,14 +118,14 @@ def declare_pooler(bind: object, pooler: str) -> None:
     not declared are refused, because the library sees that statements run in another
     server session than the one the driver connected to.
 
-    Args:
-        bind: a psycopg / psycopg2 / asyncpg connection, or a ``psycopg_pool`` or asyncpg
-            pool (connections checked out of a declared pool inherit its declaration).
-        pooler: ``"session"`` for a pooler that pins each client connection to one server
-            connection (PgBouncer ``pool_mode=session``): session locks are safe;
-            ``"transaction"`` for a transaction pooler: session locks are refused, take
-            ``transaction=True`` locks inside a transaction; ``"none"`` to declare a
-            direct connection.
+    :param bind: a psycopg / psycopg2 / asyncpg connection, or a ``psycopg_pool`` or
+        asyncpg pool (connections checked out of a declared pool inherit its declaration).
+    :param pooler: ``"session"`` for a pooler that pins each client connection to one
+        server connection (PgBouncer ``pool_mode=session``): session locks are safe;
+        ``"transaction"`` for a transaction pooler: session locks are refused, take
+        ``transaction=True`` locks inside a transaction; ``"none"`` to declare a direct
+        connection.
+    :raises ValueError: for any other ``pooler``.
     """
     if pooler not in POOLER_MODES:
         raise ValueError(f"pooler must be one of {POOLER_MODES}, not {pooler!r}")

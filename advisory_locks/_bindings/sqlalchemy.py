@@ -419,6 +419,14 @@ class EngineSite:
             name for borrow in list(_engine_borrows(self.engine)) for name in borrow.state.names()
         ]
 
+    def holds_anywhere(self, key: LockKey) -> bool:
+        """Whether a lock of this engine (any thread's) holds ``key``."""
+        return any(
+            holding.key.ints == key.ints
+            for borrow in list(_engine_borrows(self.engine))
+            for holding in list(borrow.state.holdings.values())
+        )
+
 
 class SharedEngineSite(EngineSite):
     """The locks of one lock set on an Engine share one pooled connection."""

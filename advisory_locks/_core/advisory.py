@@ -186,6 +186,16 @@ class AdvisoryLock(LockContract):
                 )
             self._owner = owner
 
+    def _not_held(self) -> LockUsageError:
+        message = f"lock {self.name!r} is not held by this lock object"
+        held_elsewhere = getattr(self._site, "holds_anywhere", None)
+        if callable(held_elsewhere) and held_elsewhere(self.key_info):
+            return LockUsageError(
+                f"{message}: this process holds it through another lock object (another "
+                "thread's or connection's); release it through the object that acquired it"
+            )
+        return LockUsageError(f"{message}: acquire() it first (or it was already released)")
+
     def _acquire_once(self) -> Steps[bool]:
         options = self.options
         borrowed: Borrowed = yield Borrow(options.transaction)
@@ -232,7 +242,7 @@ class AdvisoryLock(LockContract):
     def release_steps(self) -> Steps[None]:
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
-            raise LockUsageError(f"lock {self.name!r} is not held by this object")
+            raise self._not_held()
         borrowed.state.observe()
         self._count -= 1
         holding.count -= 1
@@ -299,7 +309,7 @@ class AdvisoryLock(LockContract):
     def ensure_held_steps(self) -> Steps[None]:
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
-            raise LockUsageError(f"lock {self.name!r} is not held by this object")
+            raise self._not_held()
         state = borrowed.state
         state.observe()
         if state.inherited:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol, overload
 
 from advisory_locks._core.contract import LockOptions, Timeout
-from advisory_locks.keys import LockKey, LockName, derive_key
+from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -133,7 +133,7 @@ def advisory_lock(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLock: ...
 
@@ -146,7 +146,7 @@ def advisory_lock(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AsyncAdvisoryLock: ...
 
@@ -159,7 +159,7 @@ def advisory_lock(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLock | AsyncAdvisoryLock: ...
 
@@ -171,7 +171,7 @@ def advisory_lock(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLock | AsyncAdvisoryLock:
     """A named lock held by the database behind ``bind``.
@@ -179,34 +179,31 @@ def advisory_lock(
     Use it as ``with advisory_lock(...)`` (``async with`` for an async bind), or call
     ``acquire()`` / ``release()``. Nothing is sent to the server until it is acquired.
 
-    Args:
-        bind: where the lock lives. A SQLAlchemy ``Session``, ``Connection`` or ``Engine``
-            (or their asyncio versions); a psycopg 3 ``Connection`` / ``AsyncConnection``
-            or ``psycopg_pool`` pool; an asyncpg ``Connection`` or ``Pool``; a psycopg2,
-            PyMySQL, mysqlclient or ``sqlite3`` connection. A pool or Engine lends each
-            lock its own connection until the lock is released.
-        name: a non-empty ``str`` (hashed to a key by ``key_scheme``), an ``int`` (a signed
-            64-bit key, used as is) or an ``(int, int)`` pair (two signed 32-bit keys).
-        timeout: ``None`` waits until granted, ``0`` tries once and never waits, ``t > 0``
-            lets the server wait at most ``t`` seconds.
-        shared: take a shared (reader) lock instead of an exclusive one (PostgreSQL and
-            SQLite; elsewhere ``UnsupportedFeature``).
-        transaction: hold the lock until the surrounding transaction ends (PostgreSQL);
-            refused where there is no transaction (an ``Engine``, a pool, an autocommit
-            connection).
-        key_scheme: how a ``str`` name becomes a key: ``"sha256"`` (default), ``"pglock"``,
-            ``"rails"``, ``"hashtext"``, or a callable ``name -> int | (int, int)``;
-            default ``$ADVISORY_LOCKS_KEY_SCHEME``.
-        key_prefix: a namespace for ``str`` names; default ``$ADVISORY_LOCKS_PREFIX``.
+    :param bind: where the lock lives. A SQLAlchemy ``Session``, ``Connection`` or ``Engine``
+        (or their asyncio versions); a psycopg 3 ``Connection`` / ``AsyncConnection``
+        or ``psycopg_pool`` pool; an asyncpg ``Connection`` or ``Pool``; a psycopg2,
+        PyMySQL, mysqlclient or ``sqlite3`` connection. A pool or Engine lends each
+        lock its own connection until the lock is released.
+    :param name: a non-empty ``str`` (hashed to a key by ``key_scheme``), an ``int`` (a signed
+        64-bit key, used as is) or an ``(int, int)`` pair (two signed 32-bit keys).
+    :param timeout: ``None`` waits until granted, ``0`` tries once and never waits, ``t > 0``
+        lets the server wait at most ``t`` seconds.
+    :param shared: take a shared (reader) lock instead of an exclusive one (PostgreSQL and
+        SQLite; elsewhere ``UnsupportedFeature``).
+    :param transaction: hold the lock until the surrounding transaction ends (PostgreSQL);
+        refused where there is no transaction (an ``Engine``, a pool, an autocommit
+        connection).
+    :param key_scheme: how a ``str`` name becomes a key: ``"sha256"`` (default), ``"pglock"``,
+        ``"rails"``, ``"hashtext"``, or a callable ``name -> int | (int, int)``;
+        default ``$ADVISORY_LOCKS_KEY_SCHEME``.
+    :param key_prefix: a namespace for ``str`` names; default ``$ADVISORY_LOCKS_PREFIX``.
 
-    Returns:
-        An ``AdvisoryLock``, or an ``AsyncAdvisoryLock`` for an async bind.
+    :returns: An ``AdvisoryLock``, or an ``AsyncAdvisoryLock`` for an async bind.
 
-    Raises:
-        TypeError: a name, bind or flag of the wrong type, before any SQL.
-        ValueError: an empty name, an out-of-range key or a negative timeout.
-        UnsupportedFeature: ``transaction=True`` without a transaction, or a mode the
-            database cannot provide.
+    :raises TypeError: a name, bind or flag of the wrong type, before any SQL.
+    :raises ValueError: an empty name, an out-of-range key or a negative timeout.
+    :raises UnsupportedFeature: ``transaction=True`` without a transaction, or a mode the
+        database cannot provide.
     """
     key = derive_key(name, scheme=key_scheme, prefix=key_prefix)
     options = LockOptions(timeout=timeout, shared=shared, transaction=transaction)
@@ -222,7 +219,7 @@ def advisory_lock_set(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLockSet: ...
 
@@ -235,7 +232,7 @@ def advisory_lock_set(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AsyncAdvisoryLockSet: ...
 
@@ -248,7 +245,7 @@ def advisory_lock_set(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLockSet | AsyncAdvisoryLockSet: ...
 
@@ -260,23 +257,21 @@ def advisory_lock_set(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLockSet | AsyncAdvisoryLockSet:
     """Several locks taken in key order, so overlapping sets never deadlock.
 
-    Args:
-        bind: as for [advisory_lock][advisory_locks.advisory_lock]; every lock of the set
-            runs on one connection.
-        names: the lock names (duplicates are taken once).
-        timeout: bounds the whole acquisition, not each lock.
-        shared: as for ``advisory_lock``, for every lock of the set.
-        transaction: as for ``advisory_lock``, for every lock of the set.
-        key_scheme: as for ``advisory_lock``.
-        key_prefix: as for ``advisory_lock``.
+    :param bind: as for [advisory_lock][advisory_locks.advisory_lock]; every lock of the set
+        runs on one connection.
+    :param names: the lock names (duplicates are taken once).
+    :param timeout: bounds the whole acquisition, not each lock.
+    :param shared: as for ``advisory_lock``, for every lock of the set.
+    :param transaction: as for ``advisory_lock``, for every lock of the set.
+    :param key_scheme: as for ``advisory_lock``.
+    :param key_prefix: as for ``advisory_lock``.
 
-    Returns:
-        An ``AdvisoryLockSet``, or an ``AsyncAdvisoryLockSet`` for an async bind.
+    :returns: An ``AdvisoryLockSet``, or an ``AsyncAdvisoryLockSet`` for an async bind.
     """
     if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
         raise TypeError(f"names must be a collection of lock names, not {type(names).__name__}")
@@ -289,7 +284,6 @@ def advisory_lock_set(
 def current_advisory_locks(bind: object) -> list[LockName]:
     """Names of the locks this library holds through ``bind`` (in this process).
 
-    Args:
-        bind: any bind ``advisory_lock`` accepts.
+    :param bind: any bind ``advisory_lock`` accepts.
     """
     return binding_for(bind).held_names(bind)
