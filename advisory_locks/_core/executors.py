@@ -79,7 +79,14 @@ class DBAPIExecutor:
                 cursor.execute(statement.sql, **self._script_options)
                 return None
             assert kind == ROWS
-            cursor.execute(statement.sql)
+            if statement.params:
+                cursor.execute(statement.sql, tuple(statement.params))
+            else:
+                # Without parameters no driver reads "%" in the text as a placeholder.
+                cursor.execute(statement.sql)
+            # A statement without a result (MySQL's UPDATE) gives no description.
+            if cursor.description is None:
+                return []
             return [tuple(row) for row in cursor.fetchall()]
 
 
