@@ -24,7 +24,7 @@ from tests.databases import psycopg_connect, pymysql_connect
 from tests.django.browser import artifacts_directory, chromium
 from tests.helpers import unique_name, wait_for, waiter_pids
 
-ALIASES = ["default", "other", "mysql", "sqlite"]
+ALIASES = "__all__"  # every configured database is listed on the page
 PAGE = "/admin/advisory_locks_django/databaselock/"
 PASSWORD = "locks-staff-password"
 REFRESHED_WITHIN_SECONDS = 20

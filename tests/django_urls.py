@@ -1,8 +1,0 @@
-"""URLs of the Django test project: the admin (for the "Database locks" page)."""
-
-from __future__ import annotations
-
-from django.contrib import admin
-from django.urls import path
-
-urlpatterns = [path("admin/", admin.site.urls)]
