@@ -17,8 +17,11 @@ Metrics (attributes: ``db.system.name``, ``advisory_lock.mode``, ``advisory_lock
 - ``advisory_lock.hold.duration`` (histogram, s): from grant to release, with
   ``advisory_lock.release_reason``;
 - ``advisory_lock.not_acquired`` (counter): refusals, with ``advisory_lock.outcome``;
-- ``advisory_lock.lost`` (counter): ``LockLost`` raised, with ``advisory_lock.loss_reason``;
-- ``advisory_lock.held`` (up-down counter): locks held now by this process.
+- ``advisory_lock.lost`` (counter): ``LockLost`` raised, or a lease lost or taken over,
+  with ``advisory_lock.loss_reason`` (``stolen`` for a lease another holder took);
+- ``advisory_lock.held`` (up-down counter): locks held now by this process;
+- ``advisory_lock.lease.renewal_failures`` (counter): lease renewals that did not reach
+  the database (the lease may still be held).
 
 Traces: one span per wait, ``advisory lock wait``, from the start of ``acquire()`` to the
 answer, a child of the span current in the code that asked; it carries the lock's name and
@@ -132,6 +135,11 @@ class _Instrumentation:
             unit="{lock}",
             description="Locks this process holds now.",
         )
+        self.renewal_failures = meter.create_counter(
+            "advisory_lock.lease.renewal_failures",
+            unit="{renewal}",
+            description="Lease renewals that did not reach the database.",
+        )
 
     def __call__(self, event: LockEvent) -> None:
         kind = event.kind
@@ -150,10 +158,11 @@ class _Instrumentation:
                     event.held,
                     {**attributes, "advisory_lock.release_reason": event.reason or "unlock"},
                 )
-        elif kind == "lost":
-            self.lost.add(
-                1, {**self._attributes(event), "advisory_lock.loss_reason": event.reason or ""}
-            )
+        elif kind in ("lost", "stolen"):
+            reason = "stolen" if kind == "stolen" else event.reason or ""
+            self.lost.add(1, {**self._attributes(event), "advisory_lock.loss_reason": reason})
+        elif kind == "renewal_failed":
+            self.renewal_failures.add(1, self._attributes(event))
 
     def _waited(self, event: LockEvent, outcome: str) -> None:
         waited = event.waited or 0.0
@@ -167,6 +176,8 @@ class _Instrumentation:
             attributes["advisory_lock.key"] = (
                 list(event.key) if isinstance(event.key, tuple) else event.key
             )
+        if event.token is not None:
+            attributes["advisory_lock.lease.token"] = event.token
         # The event comes at the end of the wait: the span is dated back to its start.
         span = self.tracer.start_span(
             SPAN_NAME,

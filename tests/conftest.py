@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
@@ -22,6 +23,9 @@ from tests.databases import (
     psycopg_connect,
 )
 from tests.helpers import EventRecorder
+
+if TYPE_CHECKING:
+    from tests.otel_support import Telemetry
 
 # A test that uses one of these fixtures, directly or through another fixture, gets the
 # marker, so `-m "not postgresql"` runs everything that needs no server.
@@ -43,6 +47,15 @@ def lock_events() -> Iterator[EventRecorder]:
     events.subscribe(recorder)
     yield recorder
     events.unsubscribe(recorder)
+
+
+@pytest.fixture
+def telemetry() -> Iterator[Telemetry]:
+    """advisory_locks.opentelemetry instrumented on the SDK's in-memory exporters, with
+    lock names in the metrics so a test finds its own lock's."""
+    from tests.otel_support import instrumented
+
+    yield from instrumented(True)
 
 
 @pytest.fixture(scope="session")

@@ -4,79 +4,21 @@ OpenTelemetry SDK's in-memory exporters, on PostgreSQL, MariaDB and SQLite."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import StatusCode
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 from advisory_locks import LockLost, advisory_lock, lock_key, opentelemetry
 from tests.helpers import unique_name
+from tests.otel_support import Telemetry, instrumented
 
 pytestmark = pytest.mark.timeout(60)
 
 DATABASES = ("postgresql", "mariadb", "sqlite")
-
-
-@dataclass
-class Telemetry:
-    reader: InMemoryMetricReader
-    spans: InMemorySpanExporter
-
-    def points(self, metric: str, name: str) -> list[Any]:
-        """The data points of ``metric`` recorded for the lock ``name``."""
-        data = self.reader.get_metrics_data()
-        found = []
-        for resource in data.resource_metrics if data else []:
-            for scope in resource.scope_metrics:
-                for recorded in scope.metrics:
-                    if recorded.name != metric:
-                        continue
-                    found += [
-                        point
-                        for point in recorded.data.data_points
-                        if (point.attributes or {}).get("advisory_lock.name") == name
-                    ]
-        return found
-
-    def waits(self, name: str) -> list[ReadableSpan]:
-        return [
-            span
-            for span in self.spans.get_finished_spans()
-            if span.name == opentelemetry.SPAN_NAME
-            and span.attributes is not None
-            and span.attributes.get("advisory_lock.name") == name
-        ]
-
-
-def _instrumented(names_in_metrics: bool) -> Iterator[Telemetry]:
-    reader = InMemoryMetricReader()
-    exporter = InMemorySpanExporter()
-    tracer_provider = TracerProvider()
-    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
-    opentelemetry.instrument(
-        meter_provider=MeterProvider(metric_readers=[reader]),
-        tracer_provider=tracer_provider,
-        lock_names_in_metrics=names_in_metrics,
-    )
-    try:
-        yield Telemetry(reader, exporter)
-    finally:
-        opentelemetry.uninstrument()
-
-
-@pytest.fixture
-def telemetry() -> Iterator[Telemetry]:
-    """Instrumented, with lock names in the metrics so a test finds its own lock's."""
-    yield from _instrumented(True)
 
 
 @pytest.fixture(params=DATABASES)
@@ -203,7 +145,7 @@ def test_a_lost_lock_is_counted_with_its_reason_and_leaves_nothing_held(
 
 def test_metrics_leave_lock_names_out_unless_asked(pg_engine: Engine) -> None:
     name = unique_name("otel-no-names")
-    for telemetry in _instrumented(False):
+    for telemetry in instrumented(False):
         with advisory_lock(pg_engine, name):
             pass
         data = telemetry.reader.get_metrics_data()

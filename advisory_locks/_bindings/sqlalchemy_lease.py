@@ -151,6 +151,7 @@ class SQLAlchemyLeaseSite:
     """The leases of one Engine's database."""
 
     create_hint = CREATE_HINT
+    binding = "sqlalchemy"
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

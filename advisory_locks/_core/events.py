@@ -54,7 +54,7 @@ class LockEvent:
         ``"renewal_failed"`` (a renewal did not reach the database; the lease may still
         be held) and ``"stolen"`` (another holder took an expired lease over).
     :param name: the name the lock was made with.
-    :param key: the key(s) the server sees (None for a lease).
+    :param key: the key(s) the server sees (None for a lease: its ``token`` instead).
     :param system: the database, as OpenTelemetry's ``db.system.name`` says it:
         ``"postgresql"``, ``"mysql"``, ``"mariadb"`` or ``"sqlite"``.
     :param mode: ``"exclusive"`` or ``"shared"``.
@@ -68,13 +68,18 @@ class LockEvent:
         the grant was not reported).
     :param reason: ``not_acquired``: ``"busy"`` (``timeout=0``), ``"timeout"``,
         ``"deadlock"`` or ``"error"``. ``released``: ``"unlock"``, ``"commit"``,
-        ``"rollback"`` (also a savepoint's), ``"connection_closed"`` or ``"lost"``.
-        ``lost``: ``"connection_closed"``, ``"connection_failed"``, ``"not_held"`` (the
-        server no longer holds it), ``"transaction_ended"`` or ``"forked"``.
+        ``"rollback"`` (also a savepoint's), ``"connection_closed"``,
+        ``"request_finished"`` (Django: taken in a request, still held at its end),
+        ``"lost"`` or, for a lease, ``"stolen"``. ``lost``: ``"connection_closed"``,
+        ``"connection_failed"``, ``"not_held"`` (the server no longer holds it),
+        ``"transaction_ended"`` or ``"forked"``; for a lease ``"not_held"`` or
+        ``"expired"`` (its renewals stopped for longer than its ttl).
+        ``renewal_failed``: ``"error"``.
     :param error: the exception, for a ``not_acquired`` that raised and a ``lost`` caused
         by a driver error.
     :param granted_at: ``time.monotonic()`` at the grant, the same in a holding's
         ``acquired``, ``released`` and ``lost`` (None when the grant was not reported).
+    :param token: a lease's fencing token (None for an advisory lock).
     """
 
     kind: EventKind
@@ -90,6 +95,7 @@ class LockEvent:
     reason: str | None = None
     error: BaseException | None = None
     granted_at: float | None = None
+    token: int | None = None
 
 
 class EventSource(NamedTuple):

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from advisory_locks._core import events
 from advisory_locks._core.contract import LockContract, Timeout, validate_timeout
 from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
 from advisory_locks.errors import (
@@ -200,6 +201,9 @@ class LeaseHolding:
     # A forked child's copy of its parent's holding: never renewed or released here.
     inherited: bool = False
     mutex: threading.Lock = field(default_factory=threading.Lock)
+    # Set when the grant was reported to event listeners: only then is the rest reported.
+    granted_at: float | None = None
+    source: events.EventSource | None = None
 
     def __post_init__(self) -> None:
         self.next_due = self.last_sent + self.renew_every
@@ -224,7 +228,47 @@ class LeaseHolding:
                 return False
             self.loss = loss
         self.lost.set()
+        if isinstance(loss, LockStolen):
+            self.report("released", reason="stolen")
+            self.report("stolen", error=loss)
+        else:
+            reason = "expired" if self.overdue() else "not_held"
+            self.report("released", reason="lost")
+            self.report("lost", reason=reason, error=loss)
         return True
+
+    def report(
+        self,
+        kind: events.EventKind,
+        *,
+        waited: float | None = None,
+        reason: str | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        """Tell the event listeners about this holding, if they were told of its grant."""
+        source = self.source
+        if source is None or not events.listeners or self.inherited:
+            return
+        granted_at = self.granted_at
+        held = None if granted_at is None or kind == "acquired" else time.monotonic() - granted_at
+        events.emit(
+            events.LockEvent(
+                kind,
+                self.name,
+                None,
+                source.system,
+                "exclusive",
+                "lease",
+                source.binding,
+                source.database,
+                waited=waited,
+                held=held,
+                reason=reason,
+                error=error,
+                granted_at=granted_at,
+                token=self.token,
+            )
+        )
 
 
 def loss_error(holding: LeaseHolding, row: LeaseRow | None, reason: str) -> LockLost:
@@ -319,6 +363,18 @@ class LeaseLock(LockContract):
         ``t`` seconds. A waiter sleeps until the expiry it read (at most 2 s at a time).
         """
         self._claim()
+        # No clock is read for events unless someone listens.
+        started = time.monotonic() if events.listeners else None
+        try:
+            granted = self._acquire(started)
+        except BaseException as error:
+            self._report_refusal(started, error)
+            raise
+        if not granted:
+            self._report_refusal(started, None)
+        return granted
+
+    def _acquire(self, started: float | None) -> bool:
         options = self.options
         timeout = options.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -328,7 +384,7 @@ class LeaseLock(LockContract):
                 self._attempt_steps(0.0 if timeout == 0 else left), self._site
             )
             if attempt.token is not None:
-                self._hold(holder, attempt.token, sent)
+                self._hold(holder, attempt.token, sent, started)
                 return True
             if timeout == 0:
                 return False
@@ -336,6 +392,30 @@ class LeaseLock(LockContract):
             if left is not None and left <= 0:
                 return False
             time.sleep(wait_pause(attempt.expires_in, left))
+
+    def _report_refusal(self, started: float | None, error: BaseException | None) -> None:
+        if started is None or not events.listeners:
+            return
+        if error is None:
+            reason = "busy" if self.options.timeout == 0 else "timeout"
+        else:
+            reason = "timeout" if isinstance(error, LockTimeout) else "error"
+        source = _source(self._site)
+        events.emit(
+            events.LockEvent(
+                "not_acquired",
+                self.name,
+                None,
+                source.system,
+                "exclusive",
+                "lease",
+                source.binding,
+                source.database,
+                waited=time.monotonic() - started,
+                reason=reason,
+                error=error,
+            )
+        )
 
     def release(self) -> None:
         """Give the lease back; ``LockStolen`` / ``LockLost`` if it was lost meanwhile."""
@@ -345,6 +425,7 @@ class LeaseLock(LockContract):
         if holding.loss is None and not holding.overdue():
             released = run_steps(self._release_steps(holding), self._site)
             if released:
+                holding.report("released", reason="unlock")
                 return
             raise self._learn_loss(holding, "it was no longer held at release")
         row = self._row_or_none(holding)
@@ -486,7 +567,7 @@ class LeaseLock(LockContract):
         yield Settle(borrowed)
         return result
 
-    def _hold(self, holder: str, token: int, sent: float) -> None:
+    def _hold(self, holder: str, token: int, sent: float, started: float | None) -> None:
         from advisory_locks._core.renewer import renewer
 
         options = self.options
@@ -504,6 +585,10 @@ class LeaseLock(LockContract):
         )
         self._holding = holding
         self._last_token = token
+        if started is not None and events.listeners:
+            holding.granted_at = time.monotonic()
+            holding.source = _source(self._site)
+            holding.report("acquired", waited=holding.granted_at - started)
         renewer().hold(holding)
 
     def _current_holding(self) -> LeaseHolding:
@@ -555,3 +640,8 @@ class LeaseLock(LockContract):
         if holding.mark_lost(loss):
             logger.warning("%s", loss)
         return holding.loss or loss
+
+
+def _source(site: Any) -> events.EventSource:
+    """Where a lease site's leases live, as their events say it."""
+    return events.EventSource(site.backend.dialect_name, getattr(site, "binding", "unknown"), None)

@@ -202,6 +202,7 @@ class Renewer:
             site.drop_connection()
             for holding in batch:
                 holding.next_due = time.monotonic() + retry
+                holding.report("renewal_failed", reason="error", error=error)
             return
         for holding in batch:
             if holding.lease_name in renewed:
