@@ -105,7 +105,21 @@ def _shown(listing: DatabaseLocks) -> dict[str, Any]:
                 "query": " ".join(row.query.split()),
             }
         )
+    leases = [
+        {
+            "name": row.name,
+            "holder": row.holder or "",
+            "token": row.token,
+            "expires_in": _seconds(row.expires_in),
+            "held_for": _seconds(row.held_for),
+            "expired": not row.held,
+        }
+        for row in listing.leases or []
+    ]
     return {
+        "leases": leases,
+        "has_lease_table": listing.leases is not None,
+        "lease_problem": listing.lease_problem,
         "alias": listing.alias,
         "vendor": listing.vendor,
         "database_name": listing.database_name,
@@ -114,6 +128,13 @@ def _shown(listing: DatabaseLocks) -> dict[str, Any]:
         "held": sum(1 for row in listing.rows if row.granted),
         "waiting": sum(1 for row in listing.rows if not row.granted),
     }
+
+
+def _seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    shown = f"{seconds:.1f}s" if abs(seconds) < 600 else f"{seconds / 60:.0f}min"
+    return shown if seconds >= 0 else f"expired {shown[1:]} ago"
 
 
 def _name_text(name: object) -> str:

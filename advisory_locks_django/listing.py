@@ -1,6 +1,6 @@
 """The advisory locks of a Django database, as the management command and the admin page
-show them: the backend's ``list_locks`` on the alias's connection, and the names this
-process can tell for the keys listed."""
+show them: the backend's ``list_locks`` on the alias's connection, the names this process
+can tell for the keys listed, and the held leases of the database's lease table."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from django.db import connections, transaction
 
 from advisory_locks._core.steps import on, run_steps
 from advisory_locks._dialects.base import LockedRow
+from advisory_locks._dialects.lease import LeaseRow, lease_backend_for_dialect
 from advisory_locks._monitoring import mysql_lock_name
 from advisory_locks.keys import LockName, derive_key
 from advisory_locks_django._binding import DjangoExecutor, backend_for_alias, held_keys
 from advisory_locks_django.conf import lock_settings
 
-__all__ = ["DatabaseLocks", "database_locks", "known_names", "list_locks"]
+__all__ = ["DatabaseLocks", "database_locks", "known_names", "list_leases", "list_locks"]
 
 
 def list_locks(alias: str) -> list[LockedRow]:
@@ -32,6 +33,23 @@ def list_locks(alias: str) -> list[LockedRow]:
     # Listing holds nothing client-side, so a throwaway state dict is enough.
     executor = DjangoExecutor(wrapper, wrapper.connection, {})
     return run_steps(on(executor, backend.list_locks(executor.state)))
+
+
+def list_leases(alias: str) -> list[LeaseRow] | None:
+    """The leases someone holds, or held until they expired, in ``alias``'s database;
+    None where it has no lease table."""
+    backend = lease_backend_for_dialect(connections[alias].vendor)
+    wrapper = connections[alias]
+    wrapper.ensure_connection()
+    executor = DjangoExecutor(wrapper, wrapper.connection, {})
+    try:
+        with transaction.atomic(using=alias):
+            rows = run_steps(on(executor, backend.list_leases()))
+    except Exception as error:
+        if backend.is_missing_table(error):
+            return None
+        raise
+    return [row for row in rows if row.holder is not None]
 
 
 def known_names(alias: str, given: Iterable[LockName] = ()) -> dict[Any, LockName]:
@@ -61,6 +79,9 @@ class DatabaseLocks:
     rows: list[LockedRow] = field(default_factory=list)
     names: dict[Any, LockName] = field(default_factory=dict)
     problem: str | None = None
+    # None: the database has no lease table (or it could not be read: lease_problem).
+    leases: list[LeaseRow] | None = None
+    lease_problem: str | None = None
 
 
 def database_locks(alias: str) -> DatabaseLocks:
@@ -76,5 +97,13 @@ def database_locks(alias: str) -> DatabaseLocks:
     except Exception as error:
         # Shown to the operator in place of the table: SQLite's file locks, a MariaDB
         # without performance_schema, a server that is down.
-        listing.problem = " ".join(str(error).split()) or type(error).__name__
+        listing.problem = _one_line(error)
+    try:
+        listing.leases = list_leases(alias)
+    except Exception as error:
+        listing.lease_problem = _one_line(error)
     return listing
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__

@@ -16,8 +16,10 @@ from django.core.management import call_command
 from django.db import connections
 from django.test import Client
 from psycopg.rows import TupleRow
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL
 
+from advisory_locks import lease_lock
 from advisory_locks.keys import lock_key
 from advisory_locks_django import advisory_lock
 from tests.databases import psycopg_connect, pymysql_connect
@@ -30,6 +32,17 @@ PASSWORD = "locks-staff-password"
 REFRESHED_WITHIN_SECONDS = 20
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.mysql]
+
+
+@pytest.fixture(autouse=True)
+def _close_pools() -> Iterator[None]:
+    """The page connects to every alias, a pooled one too (from the live server's threads):
+    close its pool, or the test database could not be dropped after the run."""
+    yield
+    for wrapper in connections.all():
+        if wrapper.settings_dict.get("OPTIONS", {}).get("pool"):
+            wrapper.close()
+            wrapper.close_pool()  # type: ignore[attr-defined]
 
 
 def make_staff(*, may_view: bool) -> User:
@@ -118,6 +131,58 @@ def test_the_page_lists_a_lock_this_process_holds_with_its_name(
     assert other_name not in page
 
 
+LEASE_APPLICATION = "admin-page-leases"
+
+
+@pytest.fixture
+def lease_engine(postgres_url: URL) -> Iterator[Engine]:
+    """A SQLAlchemy engine on the default test database, whose lease table exists (the
+    test must be transactional, so that the engine sees the table)."""
+    from django.db import connection
+
+    from advisory_locks._dialects.lease import lease_backend_for_dialect
+
+    with connection.cursor() as cursor:
+        for statement in lease_backend_for_dialect("postgresql").create_table():
+            cursor.execute(statement)
+    database = connection.settings_dict["NAME"]
+    engine = create_engine(
+        postgres_url.set(database=database).update_query_dict(
+            {"application_name": LEASE_APPLICATION}
+        )
+    )
+    yield engine
+    engine.dispose()
+    # The lease renewer closes its own connection once the process holds no lease: wait
+    # for it, or the test database could not be dropped after the run.
+    with psycopg_connect(postgres_url, autocommit=True) as observer:
+        wait_for(
+            lambda: (
+                not observer.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE datname = %s AND application_name = %s",
+                    (database, LEASE_APPLICATION),
+                ).fetchall()
+            ),
+            "the lease renewer closed its connection",
+        )
+
+
+@pytest.mark.django_db(transaction=True, databases=ALIASES)
+def test_the_page_lists_held_leases_with_holder_token_and_expiry(
+    client: Client, lease_engine: Engine
+) -> None:
+    client.force_login(make_staff(may_view=True))
+    name = unique_name("admin-lease")
+    with lease_lock(lease_engine, name, ttl=60) as lease:
+        page = client.get(PAGE).content.decode()
+    default = page[page.index('id="database-default"') : page.index('id="database-other"')]
+    row = default[default.index(name) :].split("</tr>")[0]
+    assert f'<td class="token">{lease.token}</td>' in row
+    assert '<td class="holder">' in row
+    expires = row.split('<td class="expires">')[1].split("s</td>")[0]
+    assert 0 < float(expires) <= 60
+
+
 @pytest.mark.django_db(databases=ALIASES)
 def test_the_page_says_why_it_cannot_list_sqlite_or_a_mysql_without_a_lock_table(
     client: Client, mysql_url: URL
@@ -168,6 +233,7 @@ def test_staff_see_a_lock_held_by_another_connection_in_a_browser(
     postgres_url: URL,
     holder: psycopg.Connection[TupleRow],
     waiter: psycopg.Connection[TupleRow],
+    lease_engine: Engine,
 ) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -181,7 +247,11 @@ def test_staff_see_a_lock_held_by_another_connection_in_a_browser(
         return next((row.text for row in rows if f" {pid} " in f" {row.text} "), "")
 
     # The browser first: where it is missing, nothing is left waiting on a lock.
-    with chromium() as browser, advisory_lock(held_here):
+    with (
+        chromium() as browser,
+        advisory_lock(held_here),
+        lease_lock(lease_engine, "cron:nightly-report", ttl=30) as lease,
+    ):
         holder.execute("SELECT pg_advisory_lock(%s)", [key])
         queued = threading.Thread(
             target=waiter.execute, args=("SELECT pg_advisory_lock(%s)", [key]), daemon=True
@@ -210,6 +280,11 @@ def test_staff_see_a_lock_held_by_another_connection_in_a_browser(
             assert held_here in browser.find_element(By.ID, "database-default").text  # named
             sqlite = browser.find_element(By.ID, "database-sqlite").text
             assert "Locks cannot be listed on this database" in sqlite
+            leases = browser.find_element(
+                By.CSS_SELECTOR, "#database-default table.advisory-locks-leases"
+            )
+            assert "cron:nightly-report" in leases.text
+            assert str(lease.token) in leases.text
             browser.save_screenshot(str(artifacts_directory() / "admin-database-locks.png"))
         finally:
             # The page refreshes itself: once the first program lets go, the second holds.
@@ -221,4 +296,7 @@ def test_staff_see_a_lock_held_by_another_connection_in_a_browser(
                 and not row_of(page, holder.info.backend_pid)
             )
         )
+        # Stop the refreshing (a page loaded to its end) before the browser goes: a
+        # request cut off midway can leave its database connection open on the server.
+        browser.get(f"{live_server.url}{PAGE}?refresh=0")
     waiter.execute("SELECT pg_advisory_unlock(%s)", [key])
