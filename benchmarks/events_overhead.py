@@ -1,13 +1,14 @@
 """What lock events cost: client CPU per Engine lock ``acquire(timeout)`` + ``release``.
 
-``python -m benchmarks.events_overhead --before DIR [--rounds N] [--ops N]``
+``python -m benchmarks.events_overhead --before DIR [--rounds N] [--ops N] [--variants ...]``
 
 Each variant runs in a worker process of its own, started once and kept warm; the rounds
 alternate between the workers (A B C ..., then B C ... A), so the machine's drift lands on
 all alike, and each round's ratio to the first variant is taken within that round:
 
 - ``before``: the package as it is in DIR (e.g. ``git archive <commit> advisory_locks |
-  tar -x -C DIR``), the code without events;
+  tar -x -C DIR``), the code without events; ``again``: the same, in a second worker (the
+  ratio two processes running the same code show: the noise floor);
 - ``none``: this tree, no listener (what every application without monitoring runs);
 - ``noop``: this tree, one listener that does nothing (the cost of building events);
 - ``otel``: this tree with ``advisory_locks.opentelemetry.instrument()`` on the SDK
@@ -66,6 +67,8 @@ for line in sys.stdin:
 
 def _worker(variant: str, tree: Path, url: str) -> subprocess.Popen[str]:
     environment = dict(os.environ, PYTHONPATH=str(tree))
+    # Variants differ only in code, not in hashing or in where names fall in dicts.
+    environment["PYTHONHASHSEED"] = "0"
     worker = subprocess.Popen(
         [sys.executable, "-c", WORKER, url, variant],
         stdin=subprocess.PIPE,
@@ -94,16 +97,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", type=Path, required=True, help="tree of the code before")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--ops", type=int, default=2000, help="operations per round")
+    parser.add_argument(
+        "--variants",
+        default="before,again,none,noop,otel",
+        help="comma-separated, the first is the base",
+    )
     arguments = parser.parse_args(argv)
     url = database_url().render_as_string(hide_password=False)
     here = Path(__file__).resolve().parents[1]
-    variants = {"before": arguments.before, "none": here, "noop": here}
+    # "again" is the code before in a second process: how far two processes running the
+    # same code drift apart (an A/A run), the noise floor of every other ratio.
+    variants = {"before": arguments.before, "again": arguments.before, "none": here, "noop": here}
     try:
         import opentelemetry.sdk  # noqa: F401
 
         variants["otel"] = here
     except ImportError:
         print("opentelemetry-sdk not installed: no otel variant", file=sys.stderr)
+    wanted = arguments.variants.split(",")
+    variants = {variant: variants[variant] for variant in wanted if variant in variants}
     workers = {variant: _worker(variant, tree, url) for variant, tree in variants.items()}
     names = list(workers)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.wait()
     baseline = samples[names[0]]
     print(f"Engine lock acquire(timeout=5) + release, {arguments.rounds} rounds x {arguments.ops}")
-    print(f"{'variant':8} {'cpu us/op (median)':>18} {'min':>8} {'max':>8} {'x before':>9}")
+    print(f"{'variant':8} {'cpu us/op (median)':>18} {'min':>8} {'max':>8} {'x ' + names[0]:>9}")
     for variant in names:
         values = samples[variant]
         ratio = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
