@@ -22,6 +22,7 @@ from advisory_locks._core.dispatch import (
 )
 from advisory_locks.errors import (
     AdvisoryLockError,
+    LockConnectionLost,
     LockDeadlock,
     LockLost,
     LockNotAcquired,
@@ -38,6 +39,7 @@ __all__ = [
     "AdvisoryLockSet",
     "AsyncAdvisoryLock",
     "AsyncAdvisoryLockSet",
+    "LockConnectionLost",
     "LockDeadlock",
     "LockLost",
     "LockName",

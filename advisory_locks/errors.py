@@ -9,6 +9,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdvisoryLockError",
+    "LockConnectionLost",
     "LockDeadlock",
     "LockLost",
     "LockNotAcquired",
@@ -55,6 +56,24 @@ class LockLost(AdvisoryLockError):
         self.name = name
 
 
+class LockConnectionLost(AdvisoryLockError, ConnectionError):
+    """The connection a lock was being taken on is gone; nothing was acquired.
+
+    Raised by an acquire (``with``, ``acquire()``) when the server ended the session
+    (restart, failover, ``pg_terminate_backend``, ``KILL CONNECTION``, an idle timeout) or
+    the network dropped it. Not ``LockNotAcquired``: nobody else holds the lock as far as
+    anyone knows, so skipping the work as "already being done" would be wrong. The
+    connection has been discarded the way the ORM discards one after a disconnect, so
+    trying again takes a fresh connection. Also a ``ConnectionError``, so retry policies
+    written for connection failures apply. A lock already *held* when its connection
+    dies is reported as ``LockLost`` instead.
+    """
+
+    def __init__(self, message: str, *, name: LockName | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
 class LockUsageError(AdvisoryLockError, RuntimeError):
     """The lock object was used in a way its contract forbids: released by a thread or
     task that does not hold it, shared between threads or tasks, released when not held,
@@ -75,6 +94,7 @@ for _error in (
     LockTimeout,
     LockDeadlock,
     LockLost,
+    LockConnectionLost,
     LockUsageError,
     UnsupportedDatabase,
     UnsupportedFeature,

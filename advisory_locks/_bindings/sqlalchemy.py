@@ -32,6 +32,8 @@ from sqlalchemy.util import await_only, greenlet_spawn
 
 from advisory_locks._bindings._sqlalchemy_compat import (
     adapter_begin_if_needed,
+    report_disconnect,
+    report_pooled_disconnect,
     transaction_connections,
 )
 from advisory_locks._core.advisory import (
@@ -57,13 +59,13 @@ from advisory_locks._core.executors import (
 )
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, Steps, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
-from advisory_locks.errors import UnsupportedFeature
+from advisory_locks.errors import LockConnectionLost, UnsupportedFeature
 from advisory_locks.keys import LockKey, LockName
 
 logger = logging.getLogger("advisory_locks")
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine.interfaces import DBAPIConnection
+    from sqlalchemy.engine.interfaces import DBAPIConnection, Dialect
     from sqlalchemy.pool import ConnectionPoolEntry
 
 __all__ = ["POOLER_OPTION", "AsyncBind", "SQLAlchemyBinding", "SyncBind", "sync_bind"]
@@ -234,7 +236,7 @@ class ConnectionSite:
         self.backend = _backend_for(connection.engine)
 
     def borrow(self, *, transaction: bool) -> ConnectionBorrow:
-        return ConnectionBorrow(self.connection, self.backend, transaction=transaction)
+        return _connection_borrow(self.connection, self.backend, transaction=transaction)
 
     def held_names(self) -> list[LockName]:
         if self.connection.closed or self.connection.invalidated:
@@ -257,12 +259,13 @@ class _SettledAtOnce:
 class ConnectionBorrow(_SettledAtOnce):
     """A caller's Connection: never closed or returned by the lock."""
 
-    __slots__ = ("connection", "executor", "in_transaction", "state")
+    __slots__ = ("connection", "executor", "fairy", "in_transaction", "state")
 
     def __init__(self, connection: Connection, backend: Backend, *, transaction: bool) -> None:
         fairy = connection.connection
         dbapi = fairy.dbapi_connection
         info = fairy.info
+        self.fairy = fairy
         if driver_autocommit(dbapi):
             if transaction:
                 raise UnsupportedFeature(
@@ -306,8 +309,32 @@ class ConnectionBorrow(_SettledAtOnce):
         pass
 
     def broken(self, error: BaseException) -> None:
-        if not self.connection.invalidated:
-            self.connection.invalidate(error if isinstance(error, Exception) else None)
+        if isinstance(error, Exception):
+            # Gone: SQLAlchemy's own disconnect handling, pool and all.
+            report_disconnect(self.connection, error)
+        elif not self.connection.invalidated:
+            # Interrupted mid-statement: this connection's state is unknown.
+            self.connection.invalidate()
+
+    def is_disconnect(self, error: Exception) -> bool:
+        return _dialect_disconnect(self.connection.dialect, error, self.fairy)
+
+
+def _connection_borrow(
+    connection: Connection, backend: Backend, *, transaction: bool
+) -> ConnectionBorrow:
+    """A ``ConnectionBorrow``; a connection that died under the statements it runs to get
+    ready is handed to SQLAlchemy's disconnect handling and reported as such."""
+    try:
+        return ConnectionBorrow(connection, backend, transaction=transaction)
+    except Exception as error:
+        if (connection.invalidated or connection.closed) or not (
+            backend.is_connection_failure(error)
+            or _dialect_disconnect(connection.dialect, error, connection.connection)
+        ):
+            raise
+        report_disconnect(connection, error)
+        raise LockConnectionLost(str(error)) from error
 
 
 class _AutocommitExecutor:
@@ -350,12 +377,12 @@ class PooledBorrow(_SettledAtOnce):
     def __init__(self, engine: Engine, backend: Backend) -> None:
         self.engine = engine
         self.fairy = engine.raw_connection()
-        dbapi = self.fairy.dbapi_connection
-        if backend.locks_on_server and not driver_autocommit(dbapi):
-            self.fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
-        self.executor: Any = executor_for(self.fairy, self.fairy.info)
         self.state = connection_state(self.fairy.info, backend)
         try:
+            dbapi = self.fairy.dbapi_connection
+            if backend.locks_on_server and not driver_autocommit(dbapi):
+                self.fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
+            self.executor: Any = executor_for(self.fairy, self.fairy.info)
             run_steps(
                 check_server(
                     self.state,
@@ -367,7 +394,13 @@ class PooledBorrow(_SettledAtOnce):
                     transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
                 )
             )
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, Exception) and (
+                backend.is_connection_failure(error) or self.is_disconnect(error)
+            ):
+                report_pooled_disconnect(engine, self.fairy, error)
+                self.fairy.close()
+                raise LockConnectionLost(str(error)) from error
             self.fairy.close()
             raise
         self.in_transaction = False
@@ -385,9 +418,28 @@ class PooledBorrow(_SettledAtOnce):
 
     def broken(self, error: BaseException) -> None:
         _engine_borrows(self.engine).discard(self)
-        if not self.returned:
-            self.fairy.invalidate(error if isinstance(error, Exception) else None)
-            self.fairy.close()
+        if self.returned:
+            return
+        if isinstance(error, Exception):
+            # Gone: SQLAlchemy's own disconnect handling, pool and all.
+            report_pooled_disconnect(self.engine, self.fairy, error)
+        else:
+            # Interrupted mid-statement: this connection's state is unknown.
+            self.fairy.invalidate()
+        self.fairy.close()
+
+    def is_disconnect(self, error: Exception) -> bool:
+        return _dialect_disconnect(self.engine.dialect, error, self.fairy)
+
+
+def _dialect_disconnect(dialect: Dialect, error: Exception, fairy: Any) -> bool:
+    """SQLAlchemy's verdict: whether the dialect reads ``error`` as a lost connection."""
+    try:
+        return isinstance(error, dialect.loaded_dbapi.Error) and bool(
+            dialect.is_disconnect(error, fairy, None)
+        )
+    except Exception:  # a dialect that cannot tell says nothing
+        return False
 
 
 _borrows_by_engine: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[PooledBorrow]] = (
@@ -450,10 +502,10 @@ class SessionSite:
 
     def borrow(self, *, transaction: bool) -> Any:
         if transaction:
-            return ConnectionBorrow(self.session.connection(), self.backend, transaction=True)
+            return _connection_borrow(self.session.connection(), self.backend, transaction=True)
         bind = self.session.get_bind()
         if isinstance(bind, Connection):
-            return ConnectionBorrow(bind, self.backend, transaction=False)
+            return _connection_borrow(bind, self.backend, transaction=False)
         borrow = self._pooled_borrow()
         if borrow is None:
             borrow = PooledBorrow(bind, self.backend)

@@ -26,7 +26,7 @@ from advisory_locks._core.contract import (
     validate_timeout,
 )
 from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
-from advisory_locks.errors import LockLost, LockNotAcquired, LockUsageError
+from advisory_locks.errors import LockConnectionLost, LockLost, LockNotAcquired, LockUsageError
 from advisory_locks.keys import LockKey, LockName
 
 if TYPE_CHECKING:
@@ -52,7 +52,15 @@ StepRunner = Callable[[Steps[Any]], Awaitable[Any]]
 
 
 class Borrowed(Protocol):
-    """The connection a lock runs on, lent by the binding for as long as the lock is held."""
+    """The connection a lock runs on, lent by the binding for as long as the lock is held.
+
+    A binding whose ORM has its own disconnect detection may also give it a method
+    ``is_disconnect(error) -> bool``, asked when the backend does not recognise ``error``
+    as a lost connection. A site's ``borrow`` raises ``LockConnectionLost`` (from the
+    driver's error) when the connection died under a statement the borrow itself ran;
+    errors of *opening* a connection pass through unchanged (a refused connection and a
+    wrong password look alike there).
+    """
 
     executor: Any
     state: ConnectionState
@@ -157,6 +165,13 @@ class AdvisoryLock(LockContract):
     def _not_acquired(self) -> LockNotAcquired:
         return not_acquired_error(self.name, self.options.timeout)
 
+    def _connection_lost(self, error: BaseException) -> LockConnectionLost:
+        return LockConnectionLost(
+            f"advisory lock {self.name!r} was not taken: its connection failed ({error}); "
+            "the connection was discarded, so trying again uses a fresh one",
+            name=self.name,
+        )
+
     # -- the rules, as steps --------------------------------------------------------------
 
     def acquire_steps(self) -> Steps[bool]:
@@ -189,7 +204,11 @@ class AdvisoryLock(LockContract):
 
     def _acquire_once(self) -> Steps[bool]:
         options = self.options
-        borrowed: Borrowed = yield Borrow(options.transaction)
+        try:
+            borrowed: Borrowed = yield Borrow(options.transaction)
+        except LockConnectionLost as lost:
+            cause = lost.__cause__ or lost
+            raise self._connection_lost(cause) from cause
         state = borrowed.state
         holding = state.find(self.key_info, shared=options.shared, transaction=options.transaction)
         if holding is None:
@@ -211,11 +230,15 @@ class AdvisoryLock(LockContract):
                 # server's answer unknown: asyncpg, for one, stops listening while the
                 # server may still grant the lock. Only discarding the connection ensures
                 # no one inherits it.
-                if not isinstance(error, Exception) or backend.is_connection_failure(error):
+                interrupted = not isinstance(error, Exception)
+                gone = isinstance(error, Exception) and _connection_failed(backend, borrowed, error)
+                if interrupted or gone:
                     borrowed.broken(error)
                 else:
                     borrowed.done()
                 yield Settle(borrowed)
+                if gone:
+                    raise self._connection_lost(error) from error
                 raise
             if not granted:
                 borrowed.done()
@@ -252,8 +275,8 @@ class AdvisoryLock(LockContract):
             borrowed.done()
             yield Settle(borrowed)
             raise LockLost(
-                f"advisory lock {self.name!r} was released before its block ended "
-                "(its connection was returned to the pool or closed)",
+                f"advisory lock {self.name!r} was lost before its block ended (its "
+                "connection failed, was closed, or was returned to the pool)",
                 name=self.name,
             )
         yield from self._unlock(holding, borrowed)
@@ -277,7 +300,7 @@ class AdvisoryLock(LockContract):
                 logger.debug("release of %r deferred to the end of the transaction", self.name)
                 return
             state.forget(holding)
-            if backend.is_connection_failure(error):
+            if _connection_failed(backend, borrowed, error):
                 borrowed.broken(error)
                 yield Settle(borrowed)
                 raise LockLost(
@@ -311,7 +334,7 @@ class AdvisoryLock(LockContract):
             reason = (
                 "its transaction ended"
                 if holding.transaction
-                else "its connection was returned to the pool or closed"
+                else "its connection failed, was closed, or was returned to the pool"
             )
             raise LockLost(
                 f"advisory lock {self.name!r} is no longer held: {reason}", name=self.name
@@ -323,7 +346,7 @@ class AdvisoryLock(LockContract):
                 backend.is_held(state.driver_state, self.key_info, shared=self.options.shared),
             )
         except Exception as error:
-            if not backend.is_connection_failure(error):
+            if not _connection_failed(backend, borrowed, error):
                 raise
             state.forget(holding)
             borrowed.broken(error)
@@ -541,6 +564,15 @@ class AsyncAdvisoryLockSet:
 
     def __repr__(self) -> str:
         return "<Async" + repr(self._set)[1:]
+
+
+def _connection_failed(backend: Backend, borrowed: Borrowed, error: Exception) -> bool:
+    """Whether ``error`` means the connection is gone: the backend knows its database's
+    codes; the binding's ORM may know more of the driver's ways of saying it."""
+    if backend.is_connection_failure(error):
+        return True
+    is_disconnect = getattr(borrowed, "is_disconnect", None)
+    return is_disconnect is not None and bool(is_disconnect(error))
 
 
 def _release_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> Steps[None]:

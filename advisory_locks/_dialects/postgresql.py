@@ -33,7 +33,16 @@ DEADLOCK_DETECTED: Final = "40P01"
 QUERY_CANCELED: Final = "57014"
 OUT_OF_SHARED_MEMORY: Final = "53200"
 IN_FAILED_TRANSACTION: Final = "25P02"
-CONNECTION_GONE: Final = frozenset({"57P01", "57P02", "57P03", "25P03"})
+# SQLSTATEs after which the server has ended (or never began) the session, besides class
+# 08 (connection exception): admin_shutdown (pg_terminate_backend, fast shutdown),
+# crash_shutdown, cannot_connect_now (starting up, recovering), database_dropped,
+# idle_session_timeout (PostgreSQL 14+), idle_in_transaction_session_timeout, and
+# transaction_timeout (PostgreSQL 17+ ends the session too).
+CONNECTION_GONE: Final = frozenset({"57P01", "57P02", "57P03", "57P04", "57P05", "25P03", "25P04"})
+
+CONNECTION_GONE_CLASSES: Final = frozenset(
+    {"OperationalError", "InterfaceError", "ConnectionDoesNotExistError", "InternalClientError"}
+)
 
 SAVEPOINT: Final = "advisory_locks_acquire"
 TIMEOUT_LOCK_SQL: Final = (
@@ -220,9 +229,17 @@ class PostgresBackend:
         code = sqlstate_of(error)
         if code is not None:
             return code.startswith("08") or code in CONNECTION_GONE
-        # Drivers report a socket that closed under them without any SQLSTATE.
+        # Drivers report a socket that closed under them without any SQLSTATE: psycopg's
+        # OperationalError("the connection is lost"), psycopg2's InterfaceError
+        # ("connection already closed"), asyncpg's ConnectionDoesNotExistError or a bare
+        # ConnectionResetError from its transport. asyncpg's InternalClientError says its
+        # protocol is out of step with the server ("cannot switch to state ...": the
+        # server's last words arrived between operations): like MySQL's "commands out of
+        # sync", no statement can run on that connection again.
+        if isinstance(error, ConnectionError):
+            return True
         names = {cls.__name__ for cls in type(error).__mro__}
-        return bool(names & {"OperationalError", "InterfaceError", "ConnectionDoesNotExistError"})
+        return bool(names & CONNECTION_GONE_CLASSES)
 
     def is_failed_transaction(self, error: BaseException) -> bool:
         return sqlstate_of(error) == IN_FAILED_TRANSACTION
