@@ -14,6 +14,8 @@ from sqlalchemy.engine import Connection
 
 __all__ = [
     "adapter_begin_if_needed",
+    "cut_from_pool",
+    "pool_entry",
     "report_disconnect",
     "report_pooled_disconnect",
     "transaction_connections",
@@ -84,3 +86,34 @@ def report_pooled_disconnect(engine: Any, fairy: Any, error: Exception) -> None:
         )
     pool = getattr(fairy, "_pool", None) or engine.pool
     pool._invalidate(fairy, error)
+
+
+def pool_entry(fairy: Any) -> Any:
+    """The pool entry (``ConnectionPoolEntry``) of a checked-out connection, or None once
+    it was checked in (``_ConnectionFairy._connection_record``). Checked against
+    SQLAlchemy 2.0.0-2.0.44 and 2.1.0-2.1.9."""
+    return getattr(fairy, "_connection_record", None)
+
+
+def cut_from_pool(fairy_or_record: Any) -> None:
+    """Take a DB-API connection away from SQLAlchemy's pool in this process without
+    touching it: in a forked child, for a connection the parent opened.
+
+    This is the recipe of SQLAlchemy's pooling docs for connections that crossed a fork
+    (``connection_record.dbapi_connection = connection_proxy.dbapi_connection = None``):
+    the pool neither resets (rolls back), nor closes, nor hands out that connection in
+    this process again, and opens a fresh one in its place at the next checkout; the
+    parent's socket is never written to. Given a pool entry, the connection it has
+    checked out right now (``_ConnectionRecord.fairy_ref``) is cut too. Checked against
+    SQLAlchemy 2.0.0-2.0.44 and 2.1.0-2.1.9.
+    """
+    record = getattr(fairy_or_record, "_connection_record", None)
+    if record is None:
+        record = fairy_or_record
+        reference = getattr(record, "fairy_ref", None)
+        fairy = reference() if reference is not None else None
+    else:
+        fairy = fairy_or_record
+    if fairy is not None:
+        fairy.dbapi_connection = None
+    record.dbapi_connection = None

@@ -32,6 +32,8 @@ from sqlalchemy.util import await_only, greenlet_spawn
 
 from advisory_locks._bindings._sqlalchemy_compat import (
     adapter_begin_if_needed,
+    cut_from_pool,
+    pool_entry,
     report_disconnect,
     report_pooled_disconnect,
     transaction_connections,
@@ -46,6 +48,7 @@ from advisory_locks._core.connection import (
     POOLER_MODES,
     ConnectionState,
     check_server,
+    current_process_id,
     finish_pending_releases,
     release_session_locks,
 )
@@ -78,6 +81,8 @@ STATE_INFO_KEY: Final = "advisory_locks.state"
 EXECUTOR_INFO_KEY: Final = "advisory_locks.executor"
 AUTOCOMMIT_INFO_KEY: Final = "advisory_locks.restore_autocommit"
 SESSION_INFO_KEY: Final = "advisory_locks.session_connection"
+# (process id, weak reference to the pool entry), recorded when the DB-API connection opens.
+CONNECTED_INFO_KEY: Final = "advisory_locks.connected"
 # Execution option declaring what sits between the engine and the server:
 # "transaction" (session locks refused), "session" (a pooler that pins each client to
 # one server connection), or "none".
@@ -170,11 +175,30 @@ def _backend_for(engine: Engine) -> Backend:
     return backend_for_dialect(engine.dialect.name)
 
 
-def connection_state(info: dict[Any, Any], backend: Backend | None = None) -> ConnectionState:
-    """The state stored with a pooled DB-API connection (dropped if it is replaced)."""
+def connection_state(
+    info: dict[Any, Any],
+    backend: Backend | None = None,
+    fairy: PoolProxiedConnection | None = None,
+) -> ConnectionState:
+    """The state stored with a pooled DB-API connection (dropped if it is replaced).
+
+    A lock passes the checked-out ``fairy`` it runs on, so that a forked child can cut
+    that connection from its pool even when it was opened before this module was
+    imported (and so without the process id and pool entry ``_connected`` records).
+    """
     state = info.get(STATE_INFO_KEY)
     if not isinstance(state, ConnectionState):
-        state = info[STATE_INFO_KEY] = ConnectionState()
+        connected = info.get(CONNECTED_INFO_KEY)
+        state = ConnectionState() if connected is None else ConnectionState(pid=connected[0])
+        info[STATE_INFO_KEY] = state
+    if state.fork_hook is None:
+        connected = info.get(CONNECTED_INFO_KEY)
+        record = connected[1]() if connected is not None else None
+        if record is None and fairy is not None:
+            record = pool_entry(fairy)
+        if record is not None:
+            entry = weakref.ref(record)
+            state.fork_hook = lambda: _cut_entry(entry)
     if backend is not None:
         state.backend = backend
     return state
@@ -266,6 +290,12 @@ class ConnectionBorrow(_SettledAtOnce):
         dbapi = fairy.dbapi_connection
         info = fairy.info
         self.fairy = fairy
+        if connection_state(info, backend, fairy).inherited:
+            # A forked child's copy of its parent's connection: nothing may be sent on
+            # it (the lock refuses it, naming itself).
+            self.connection, self.in_transaction = connection, False
+            self.state = connection_state(info)
+            return
         if driver_autocommit(dbapi):
             if transaction:
                 raise UnsupportedFeature(
@@ -376,8 +406,8 @@ class PooledBorrow(_SettledAtOnce):
 
     def __init__(self, engine: Engine, backend: Backend) -> None:
         self.engine = engine
-        self.fairy = engine.raw_connection()
-        self.state = connection_state(self.fairy.info, backend)
+        self.fairy = _own_connection(engine)
+        self.state = connection_state(self.fairy.info, backend, self.fairy)
         try:
             dbapi = self.fairy.dbapi_connection
             if backend.locks_on_server and not driver_autocommit(dbapi):
@@ -440,6 +470,24 @@ def _dialect_disconnect(dialect: Dialect, error: Exception, fairy: Any) -> bool:
         )
     except Exception:  # a dialect that cannot tell says nothing
         return False
+
+
+def _own_connection(engine: Engine) -> PoolProxiedConnection:
+    """A pooled connection this process opened.
+
+    In a forked child the pool may hand out a connection the parent opened, whose server
+    session the parent goes on using: a lock taken there would be the parent's too (the
+    server counts the second holder as a re-entry). Each such connection is cut from the
+    child's pool without being touched (SQLAlchemy's fork recipe), and the pool opens a
+    fresh one in its place. Every round cuts one inherited connection, so this ends.
+    """
+    while True:
+        fairy = engine.raw_connection()
+        connected = fairy.info.get(CONNECTED_INFO_KEY)
+        if connected is None or connected[0] == current_process_id():
+            return fairy
+        cut_from_pool(fairy)
+        fairy.close()
 
 
 _borrows_by_engine: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[PooledBorrow]] = (
@@ -632,6 +680,20 @@ def _savepoint_released(connection: Connection, name: str, context: object) -> N
         state.savepoint_released(name)
 
 
+@event.listens_for(Pool, "connect")
+def _connected(dbapi_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
+    # Which process opened the connection: a forked child must never take a lock on, nor
+    # unlock through, a connection of its parent's.
+    record.info[CONNECTED_INFO_KEY] = (current_process_id(), weakref.ref(record))
+
+
+def _cut_entry(entry: weakref.ref[ConnectionPoolEntry]) -> None:
+    # In a forked child, for a connection that carries the parent's locks.
+    record = entry()
+    if record is not None:
+        cut_from_pool(record)
+
+
 @event.listens_for(Pool, "checkin")
 def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionPoolEntry) -> None:
     # The pool has rolled the connection back, which ends every transaction lock but no
@@ -642,6 +704,10 @@ def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionP
         return
     info = record.info
     state = info.get(STATE_INFO_KEY)
+    if isinstance(state, ConnectionState) and state.inherited:
+        # A forked child checking in its copy of a parent's connection: the locks and
+        # the session settings are the parent's; send nothing.
+        return
     try:
         if isinstance(state, ConnectionState):
             state.transaction_ended()

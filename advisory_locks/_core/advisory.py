@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from advisory_locks._core.connection import ConnectionState, Holding
+from advisory_locks._core.connection import ConnectionState, Holding, inherited_connection_error
 from advisory_locks._core.contract import (
     AsyncLockContract,
     LockContract,
@@ -175,6 +176,13 @@ class AdvisoryLock(LockContract):
     # -- the rules, as steps --------------------------------------------------------------
 
     def acquire_steps(self) -> Steps[bool]:
+        borrowed = self._borrowed
+        if borrowed is not None and borrowed.state.inherited:
+            # A forked child's copy of a held lock: the parent holds it, this process
+            # does not, so taking it again is a new acquisition, never a re-entry.
+            self._count = 0
+            self._holding = self._borrowed = None
+            self._owner = None
         self._claim()
         holding = self._holding
         if self._count and holding is not None and holding.active:
@@ -210,6 +218,10 @@ class AdvisoryLock(LockContract):
             cause = lost.__cause__ or lost
             raise self._connection_lost(cause) from cause
         state = borrowed.state
+        if state.inherited:
+            borrowed.done()
+            yield Settle(borrowed)
+            raise inherited_connection_error(self.name, state)
         holding = state.find(self.key_info, shared=options.shared, transaction=options.transaction)
         if holding is None:
             backend = self._site.backend
@@ -588,6 +600,16 @@ def _release_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> Steps[N
 
 
 _CLAIMS = threading.Lock()
+
+
+def _new_claims_lock() -> None:
+    # In a forked child: a thread of the parent may have held it at the fork.
+    global _CLAIMS
+    _CLAIMS = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_new_claims_lock)
 
 
 def _current_owner() -> tuple[int, int]:
