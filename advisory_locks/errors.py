@@ -9,10 +9,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdvisoryLockError",
+    "LeaseTableMissing",
     "LockConnectionLost",
     "LockDeadlock",
     "LockLost",
     "LockNotAcquired",
+    "LockStolen",
     "LockTimeout",
     "LockUsageError",
     "UnsupportedDatabase",
@@ -61,17 +63,42 @@ class LockConnectionLost(AdvisoryLockError, ConnectionError):
 
     Raised by an acquire (``with``, ``acquire()``) when the server ended the session
     (restart, failover, ``pg_terminate_backend``, ``KILL CONNECTION``, an idle timeout) or
-    the network dropped it. Not ``LockNotAcquired``: nobody else holds the lock as far as
-    anyone knows, so skipping the work as "already being done" would be wrong. The
-    connection has been discarded the way the ORM discards one after a disconnect, so
-    trying again takes a fresh connection. Also a ``ConnectionError``, so retry policies
-    written for connection failures apply. A lock already *held* when its connection
-    dies is reported as ``LockLost`` instead.
+    the network dropped it; ``__cause__`` is the driver's error. Not ``LockNotAcquired``:
+    nobody else holds the lock as far as anyone knows, so skipping the work as "already
+    being done" would be wrong. Through a pool (an Engine, a Session, a driver's pool) the
+    dead connection has been discarded the way the pool discards one after a disconnect,
+    so trying again takes a fresh connection. Also a ``ConnectionError``, so retry
+    policies written for connection failures apply. A lock already *held* when its
+    connection dies is reported as ``LockLost`` instead.
     """
 
     def __init__(self, message: str, *, name: LockName | None = None) -> None:
         super().__init__(message)
         self.name = name
+
+
+class LockStolen(LockLost):
+    """A lease lock was taken over: another holder acquired it after ours expired.
+
+    ``holder`` and ``token`` describe the holding that took it over, as the database
+    reported them when the loss was learnt (``None`` where it could not be asked).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: LockName | None = None,
+        holder: str | None = None,
+        token: int | None = None,
+    ) -> None:
+        super().__init__(message, name=name)
+        self.holder = holder
+        self.token = token
+
+
+class LeaseTableMissing(AdvisoryLockError):
+    """The database has no ``advisory_locks_lease`` table; the message says how to create it."""
 
 
 class LockUsageError(AdvisoryLockError, RuntimeError):
@@ -94,6 +121,8 @@ for _error in (
     LockTimeout,
     LockDeadlock,
     LockLost,
+    LockStolen,
+    LeaseTableMissing,
     LockConnectionLost,
     LockUsageError,
     UnsupportedDatabase,

@@ -249,6 +249,10 @@ class DjangoSite:
             return []
         return connection_locks(wrapper).names()
 
+    def holds_anywhere(self, key: LockKey) -> bool:
+        """Whether any thread of this process holds ``key`` on this alias's database."""
+        return any(held.ints == key.ints for held in held_keys(self.alias))
+
 
 class DjangoBorrow:
     """The Django connection a lock runs on; never closed by the lock unless broken."""

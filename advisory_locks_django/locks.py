@@ -36,7 +36,7 @@ from advisory_locks.errors import (
     LockTimeout,
     UnsupportedFeature,
 )
-from advisory_locks.keys import LockKey, LockName, derive_key
+from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
 from advisory_locks_django import _binding, signals
 from advisory_locks_django._binding import (
     DjangoConnectionLocks,
@@ -70,7 +70,7 @@ def advisory_lock(
     shared: bool = False,
     transaction: bool | _Default = DEFAULT,
     skip_if_locked: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> DjangoAdvisoryLock:
     """A named lock held by the database ``using``; see docs/django.md.
@@ -123,7 +123,7 @@ class DjangoAdvisoryLock:
         shared: bool = False,
         transaction: bool | _Default = DEFAULT,
         skip_if_locked: bool = False,
-        key_scheme: str | None = None,
+        key_scheme: KeyScheme | None = None,
         key_prefix: str | int | None = None,
     ) -> None:
         defaults = lock_settings()

@@ -138,14 +138,11 @@ class AdvisoryLock(LockContract):
     @property
     def held(self) -> bool:
         """Whether this object holds the lock (a transaction lock until its transaction ends)."""
-        holding = self._holding
-        return (
-            self._count > 0
-            and holding is not None
-            and holding.active
-            and self._borrowed is not None
-            and not self._borrowed.state.inherited
-        )
+        holding, borrowed = self._holding, self._borrowed
+        if not self._count or holding is None or borrowed is None:
+            return False
+        borrowed.state.observe()
+        return holding.active and not borrowed.state.inherited
 
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
@@ -168,8 +165,7 @@ class AdvisoryLock(LockContract):
 
     def _connection_lost(self, error: BaseException) -> LockConnectionLost:
         return LockConnectionLost(
-            f"advisory lock {self.name!r} was not taken: its connection failed ({error}); "
-            "the connection was discarded, so trying again uses a fresh one",
+            f"advisory lock {self.name!r} was not taken: its connection is gone ({error})",
             name=self.name,
         )
 
@@ -185,6 +181,8 @@ class AdvisoryLock(LockContract):
             self._owner = None
         self._claim()
         holding = self._holding
+        if self._borrowed is not None:
+            self._borrowed.state.observe()
         if self._count and holding is not None and holding.active:
             self._count += 1
             holding.count += 1
@@ -210,12 +208,22 @@ class AdvisoryLock(LockContract):
                 )
             self._owner = owner
 
+    def _not_held(self) -> LockUsageError:
+        message = f"lock {self.name!r} is not held by this lock object"
+        held_elsewhere = getattr(self._site, "holds_anywhere", None)
+        if callable(held_elsewhere) and held_elsewhere(self.key_info):
+            return LockUsageError(
+                f"{message}: this process holds it through another lock object (another "
+                "thread's or connection's); release it through the object that acquired it"
+            )
+        return LockUsageError(f"{message}: acquire() it first (or it was already released)")
+
     def _acquire_once(self) -> Steps[bool]:
         options = self.options
         try:
             borrowed: Borrowed = yield Borrow(options.transaction)
         except LockConnectionLost as lost:
-            cause = lost.__cause__ or lost
+            cause = _driver_error(lost)
             raise self._connection_lost(cause) from cause
         state = borrowed.state
         if state.inherited:
@@ -250,7 +258,8 @@ class AdvisoryLock(LockContract):
                     borrowed.done()
                 yield Settle(borrowed)
                 if gone:
-                    raise self._connection_lost(error) from error
+                    cause = _driver_error(error)
+                    raise self._connection_lost(cause) from cause
                 raise
             if not granted:
                 borrowed.done()
@@ -268,7 +277,8 @@ class AdvisoryLock(LockContract):
     def release_steps(self) -> Steps[None]:
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
-            raise LockUsageError(f"lock {self.name!r} is not held by this object")
+            raise self._not_held()
+        borrowed.state.observe()
         self._count -= 1
         holding.count -= 1
         if self._count:
@@ -334,8 +344,9 @@ class AdvisoryLock(LockContract):
     def ensure_held_steps(self) -> Steps[None]:
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
-            raise LockUsageError(f"lock {self.name!r} is not held by this object")
+            raise self._not_held()
         state = borrowed.state
+        state.observe()
         if state.inherited:
             raise LockLost(
                 f"advisory lock {self.name!r} belongs to the process that took it (pid "
@@ -585,6 +596,13 @@ def _connection_failed(backend: Backend, borrowed: Borrowed, error: Exception) -
         return True
     is_disconnect = getattr(borrowed, "is_disconnect", None)
     return is_disconnect is not None and bool(is_disconnect(error))
+
+
+def _driver_error(error: BaseException) -> BaseException:
+    """The driver's own error behind a binding's LockConnectionLost, else ``error``."""
+    if isinstance(error, LockConnectionLost) and error.__cause__ is not None:
+        return error.__cause__
+    return error
 
 
 def _release_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> Steps[None]:

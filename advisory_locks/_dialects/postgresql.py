@@ -39,8 +39,7 @@ IN_FAILED_TRANSACTION: Final = "25P02"
 # idle_session_timeout (PostgreSQL 14+), idle_in_transaction_session_timeout, and
 # transaction_timeout (PostgreSQL 17+ ends the session too).
 CONNECTION_GONE: Final = frozenset({"57P01", "57P02", "57P03", "57P04", "57P05", "25P03", "25P04"})
-
-CONNECTION_GONE_CLASSES: Final = frozenset(
+CONNECTION_FAILURE_CLASSES: Final = frozenset(
     {"OperationalError", "InterfaceError", "ConnectionDoesNotExistError", "InternalClientError"}
 )
 
@@ -229,17 +228,21 @@ class PostgresBackend:
         code = sqlstate_of(error)
         if code is not None:
             return code.startswith("08") or code in CONNECTION_GONE
-        # Drivers report a socket that closed under them without any SQLSTATE: psycopg's
-        # OperationalError("the connection is lost"), psycopg2's InterfaceError
-        # ("connection already closed"), asyncpg's ConnectionDoesNotExistError or a bare
+        # Drivers report a socket that closed under them without any SQLSTATE: psycopg 3
+        # and psycopg2 as OperationalError (psycopg2 also InterfaceError, "connection
+        # already closed"), asyncpg as InterfaceError ("connection is closed", or released
+        # back to its pool), ConnectionDoesNotExistError (08003, caught above) or a bare
         # ConnectionResetError from its transport. asyncpg's InternalClientError says its
         # protocol is out of step with the server ("cannot switch to state ...": the
         # server's last words arrived between operations): like MySQL's "commands out of
-        # sync", no statement can run on that connection again.
-        if isinstance(error, ConnectionError):
-            return True
-        names = {cls.__name__ for cls in type(error).__mro__}
-        return bool(names & CONNECTION_GONE_CLASSES)
+        # sync", no statement can run on that connection again. A binding may have
+        # wrapped it (SQLAlchemy's DBAPIError keeps it in ``orig``, the raw bindings raise
+        # a typed error from it).
+        return any(
+            isinstance(seen, ConnectionError)
+            or bool({cls.__name__ for cls in type(seen).__mro__} & CONNECTION_FAILURE_CLASSES)
+            for seen in _error_chain(error)
+        )
 
     def is_failed_transaction(self, error: BaseException) -> bool:
         return sqlstate_of(error) == IN_FAILED_TRANSACTION
@@ -247,16 +250,22 @@ class PostgresBackend:
 
 def sqlstate_of(error: BaseException) -> str | None:
     """The SQLSTATE of a driver error, looking through SQLAlchemy/adapter wrappers."""
-    seen: BaseException | None = error
-    for _ in range(4):
-        if seen is None:
-            return None
+    for seen in _error_chain(error):
         for attribute in ("sqlstate", "pgcode"):
             code = getattr(seen, attribute, None)
             if isinstance(code, str) and code:
                 return code
-        seen = getattr(seen, "orig", None) or seen.__cause__
     return None
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and what it wraps (``orig`` of SQLAlchemy's errors, ``__cause__``)."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = error
+    while seen is not None and len(chain) < 4:
+        chain.append(seen)
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return chain
 
 
 def _give_back_late_grant(key: LockKey, *, shared: bool) -> Statement:
