@@ -261,17 +261,48 @@ def _sync_url(text: str) -> Any:
     # Heroku-style DATABASE_URLs say postgres://, which SQLAlchemy no longer accepts.
     if backend == "postgres":
         backend = "postgresql"
-    # A bare postgresql:// means psycopg2 to SQLAlchemy; prefer psycopg 3 when present.
-    # Async drivers need an event loop for nothing here, so use a sync one instead.
+    # A bare URL means one particular driver to SQLAlchemy (postgresql:// psycopg2,
+    # mysql:// mysqlclient), installed or not: use whichever of the database's drivers is
+    # installed instead. Async drivers need an event loop for nothing here: a sync one too.
     if backend == "postgresql" and driver in ("", "asyncpg", "psycopg_async"):
         driver = "psycopg" if _installed("psycopg") else "psycopg2"
+    elif backend in ("mysql", "mariadb") and driver in ("", "aiomysql", "asyncmy"):
+        driver = installed_mysql_driver()
     return url.set(drivername=f"{backend}+{driver}" if driver else backend)
+
+
+def installed_mysql_driver() -> str:
+    """SQLAlchemy's name for the MySQL driver installed here: mysqlclient, else PyMySQL.
+
+    mysqlclient (``MySQLdb``) is preferred when it is the real one; PyMySQL registered
+    under that name (``pymysql.install_as_MySQLdb()``) counts as PyMySQL.
+    """
+    import importlib
+    import sys
+
+    loaded = sys.modules.get("MySQLdb")
+    if loaded is None and _installed("MySQLdb"):
+        try:
+            loaded = importlib.import_module("MySQLdb")
+        except ImportError:  # a broken build (missing client library) is not installed
+            loaded = None
+    if loaded is not None and loaded.__name__ == "MySQLdb":
+        return "mysqldb"
+    if _installed("pymysql"):
+        return "pymysql"
+    raise UsageError(
+        "a MySQL/MariaDB URL needs a driver: pip install 'advisory-locks[mysql]' (PyMySQL) "
+        "or 'advisory-locks[mysqlclient]'"
+    )
 
 
 def _installed(module: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec(module) is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # sys.modules[module] is None: imports of it are blocked
+        return False
 
 
 def _first_line(error: BaseException) -> str:

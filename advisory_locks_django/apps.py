@@ -1,10 +1,16 @@
-"""The Django app: registers system checks and signal receivers, nothing else."""
+"""The Django app: registers system checks and signal receivers, and a MySQL driver.
+
+Besides registering, ``ready()`` does one thing: on a project with a MySQL/MariaDB
+database, no mysqlclient and PyMySQL installed (the ``mysql`` extra), it registers
+PyMySQL as ``MySQLdb`` for Django's MySQL backend (``advisory_locks_django._mysql_driver``).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.apps import AppConfig
+from django.conf import settings
 from django.core import checks
 from django.core.signals import request_finished
 from django.db import connections
@@ -16,10 +22,20 @@ class AdvisoryLocksConfig(AppConfig):
     verbose_name = "Advisory locks"
 
     def ready(self) -> None:
-        from advisory_locks_django.checks import check_databases, check_settings
+        from advisory_locks_django._mysql_driver import install_pymysql_if_needed
+        from advisory_locks_django.checks import (
+            check_databases,
+            check_mysql_driver,
+            check_settings,
+            check_sqlite_files,
+        )
 
         checks.register(check_settings)
         checks.register(check_databases)
+        checks.register(check_mysql_driver)
+        checks.register(check_sqlite_files)
+        # Before any connection is made: Django imports the driver at the first one.
+        install_pymysql_if_needed(settings.DATABASES)
         connection_created.connect(_connection_created, dispatch_uid="advisory_locks_django")
         request_finished.connect(_request_finished, dispatch_uid="advisory_locks_django")
 

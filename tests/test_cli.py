@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -19,9 +20,9 @@ import pytest
 from psycopg.rows import TupleRow
 from sqlalchemy.engine import URL
 
-from advisory_locks.cli import main
+from advisory_locks.cli import installed_mysql_driver, main
 from advisory_locks.keys import derive_key, lock_key
-from tests.databases import psycopg_connect
+from tests.databases import psycopg_connect, pymysql_connect
 
 OBSERVE_DEADLINE_SECONDS = 10.0
 
@@ -496,3 +497,68 @@ def test_list_through_a_subprocess_fails_cleanly_for_an_unreachable_server() -> 
     assert completed.returncode == 2
     assert "Traceback" not in completed.stderr
     assert "cannot list locks" in completed.stderr
+
+
+# --- list on MySQL/MariaDB: whichever driver is installed ------------------------------------
+
+
+def list_in_subprocess(url: str, *, block: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """``advisory-locks list --url URL --json`` where the modules in ``block`` are missing."""
+    script = (
+        "import sys\n"
+        + "".join(f"sys.modules[{module!r}] = None\n" for module in block)
+        + "from advisory_locks.cli import main\n"
+        + f"sys.exit(main(['list', '--url', {url!r}, '--json']))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+
+
+def assert_listed_or_told_how_to_expose_locks(
+    completed: subprocess.CompletedProcess[str], name: str
+) -> None:
+    # The server answered through the driver; MariaDB without performance_schema (or the
+    # metadata_lock_info plugin) cannot list user locks, and the command says how to fix it.
+    if completed.returncode == 0:
+        assert name in [row["key"] for row in json.loads(completed.stdout)]
+    else:
+        assert completed.returncode == 2, completed.stderr
+        assert "metadata_lock_info" in completed.stderr
+
+
+@pytest.mark.parametrize("scheme", ["mysql", "mariadb"])
+def test_list_on_a_plain_mysql_url_uses_pymysql_where_mysqlclient_is_missing(
+    mysql_url: URL, scheme: str
+) -> None:
+    name = f"cli-test-{uuid.uuid4()}"
+    holder = pymysql_connect(mysql_url)
+    try:
+        with holder.cursor() as cursor:
+            cursor.execute("SELECT GET_LOCK(%s, 0)", (name,))
+        url = url_text(mysql_url.set(drivername=scheme))
+        completed = list_in_subprocess(url, block=("MySQLdb",))
+    finally:
+        holder.close()
+    assert "MySQLdb" not in completed.stderr
+    assert_listed_or_told_how_to_expose_locks(completed, name)
+
+
+def test_list_on_a_mysql_url_without_any_driver_says_what_to_install() -> None:
+    completed = list_in_subprocess("mysql://root@127.0.0.1:1/test", block=("MySQLdb", "pymysql"))
+    assert completed.returncode == 2
+    assert "pip install 'advisory-locks[mysql]'" in completed.stderr
+    assert "Traceback" not in completed.stderr
+
+
+def test_the_mysql_driver_is_mysqlclient_only_when_it_is_the_real_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pymysql
+
+    monkeypatch.setitem(sys.modules, "MySQLdb", pymysql)  # pymysql.install_as_MySQLdb()
+    assert installed_mysql_driver() == "pymysql"
+    monkeypatch.setitem(sys.modules, "MySQLdb", None)
+    assert installed_mysql_driver() == "pymysql"
+    monkeypatch.setitem(sys.modules, "MySQLdb", types.ModuleType("MySQLdb"))
+    assert installed_mysql_driver() == "mysqldb"
