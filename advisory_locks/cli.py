@@ -24,6 +24,8 @@ from advisory_locks.keys import (
     derive_key,
 )
 from advisory_locks.monitoring import (
+    KnownNames,
+    identify,
     key_details,
     key_document,
     lock_document,
@@ -55,10 +57,17 @@ the output is piped, only the key line is printed, so scripts can write
 Defaults come from ${SCHEME_ENV} and ${PREFIX_ENV}, like the library.
 """
 
-LIST_EPILOG = """\
+LIST_EPILOG = f"""\
 FOR is how long a waiter has waited, or for a holder an upper bound:
 PostgreSQL does not record when an advisory lock was granted, so it shows the time since
 the holder's connection started. Only the current database's locks are listed.
+
+A key is a hash of its name: NAME shows the names you give (--name, --names-file), each
+hashed with every key scheme and the prefix (--prefix, default ${PREFIX_ENV}), so
+a match also tells the SCHEME; and the names the Ruby with_advisory_lock gem writes into
+its lock statements as /* name */ comments, while the holder is idle after taking it.
+Otherwise SCHEME is guessed from the key (marked ?): a pair of non-negative keys is the
+gem's (prefix 0 by default), a bigint in the int4 range a small integer or hashtext().
 """
 
 
@@ -145,6 +154,21 @@ def _parser() -> argparse.ArgumentParser:
         f"(default: ${URL_ENVIRONMENT[0]}, then ${URL_ENVIRONMENT[1]})",
     )
     list_.add_argument("--json", action="store_true", help="print a JSON array, one object a lock")
+    list_.add_argument(
+        "--name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a lock name to recognise among the keys (repeatable)",
+    )
+    list_.add_argument(
+        "--names-file",
+        metavar="FILE",
+        help="read names to recognise from FILE, one a line (# comments; - for stdin)",
+    )
+    list_.add_argument(
+        "--prefix", help=f"namespace the names were hashed with (default: ${PREFIX_ENV})"
+    )
     return parser
 
 
@@ -214,16 +238,42 @@ def _run_list(arguments: argparse.Namespace, out: TextIO) -> int:
         raise UsageError(
             f"no database: pass --url or set ${URL_ENVIRONMENT[0]} or ${URL_ENVIRONMENT[1]}"
         )
-    rows = _fetch_locks(url)
+    names = [*arguments.name, *_names_from_file(arguments.names_file)]
+    prefix = arguments.prefix if arguments.prefix is not None else os.environ.get(PREFIX_ENV)
+    rows, dialect = _fetch_locks(url)
+    known = KnownNames(dialect)
+    for name in names:
+        try:
+            known.add(name, prefix=prefix, source="given")
+        except (TypeError, ValueError) as error:
+            raise UsageError(f"cannot hash the name {name!r}: {error}") from None
     if arguments.json:
-        json.dump([lock_document(row) for row in rows], out, ensure_ascii=False, indent=2)
+        documents = [lock_document(row, identify(row, known)) for row in rows]
+        json.dump(documents, out, ensure_ascii=False, indent=2)
         out.write("\n")
     else:
-        out.write(locks_table(rows, out))
+        out.write(locks_table(rows, out, known))
     return 0
 
 
-def _fetch_locks(url_text: str) -> list[LockedRow]:
+def _names_from_file(path: str | None) -> list[str]:
+    """The names in a --names-file: one a line, blank lines and # comments skipped."""
+    if path is None:
+        return []
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as file:
+                text = file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read --names-file {path}: {error}") from None
+    lines = (line.strip() for line in text.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _fetch_locks(url_text: str) -> tuple[list[LockedRow], str]:
+    """The locks listed by the server at ``url_text``, and the backend's dialect name."""
     try:
         from sqlalchemy import create_engine
         from sqlalchemy.exc import SQLAlchemyError
@@ -246,7 +296,7 @@ def _fetch_locks(url_text: str) -> list[LockedRow]:
             with engine.connect() as connection:
                 pooled = connection.connection
                 executor = executor_for(pooled.dbapi_connection, pooled.driver_connection)
-                return backend.list_locks(executor)
+                return backend.list_locks(executor), backend.dialect_name
         finally:
             engine.dispose()
     except (SQLAlchemyError, AdvisoryLockError, ImportError, ValueError) as error:
