@@ -1,8 +1,11 @@
 """The Django app: registers system checks and signal receivers, and a MySQL driver.
 
-Besides registering, ``ready()`` does one thing: on a project with a MySQL/MariaDB
+Besides registering, the app does one thing: on a project with a MySQL/MariaDB
 database, no mysqlclient and PyMySQL installed (the ``mysql`` extra), it registers
 PyMySQL as ``MySQLdb`` for Django's MySQL backend (``advisory_locks_django._mysql_driver``).
+That happens when Django creates the app config, not in ``ready()``: defining any model
+class loads the default database's backend (for its maximum name length), and model
+modules are imported after every app config is created but before any ``ready()``.
 """
 
 from __future__ import annotations
@@ -21,8 +24,13 @@ class AdvisoryLocksConfig(AppConfig):
     name = "advisory_locks_django"
     verbose_name = "Advisory locks"
 
-    def ready(self) -> None:
+    def __init__(self, app_name: str, app_module: Any) -> None:
+        super().__init__(app_name, app_module)
         from advisory_locks_django._mysql_driver import install_pymysql_if_needed
+
+        install_pymysql_if_needed(settings.DATABASES)
+
+    def ready(self) -> None:
         from advisory_locks_django.checks import (
             check_databases,
             check_mysql_driver,
@@ -34,8 +42,6 @@ class AdvisoryLocksConfig(AppConfig):
         checks.register(check_databases)
         checks.register(check_mysql_driver)
         checks.register(check_sqlite_files)
-        # Before any connection is made: Django imports the driver at the first one.
-        install_pymysql_if_needed(settings.DATABASES)
         connection_created.connect(_connection_created, dispatch_uid="advisory_locks_django")
         request_finished.connect(_request_finished, dispatch_uid="advisory_locks_django")
 

@@ -96,7 +96,9 @@ def test_django_locks_on_mariadb_with_only_pymysql_installed(
     completed = run_project(
         tmp_path,
         {
-            "INSTALLED_APPS": ["advisory_locks_django"],
+            # A models module imported before this app's ready(): defining a model loads
+            # the default database's backend, and so its driver.
+            "INSTALLED_APPS": ["tests.django_app", "advisory_locks_django"],
             "DATABASES": {"default": mysql_database(mysql_url)},
         },
         f"""
