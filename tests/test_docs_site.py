@@ -54,7 +54,7 @@ def signatures(page: Path) -> list[str]:
 
 def test_the_docs_extra_installs_a_signature_formatter() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    (docs,) = re.findall(r"^docs = \[(.*)\]$", pyproject, re.MULTILINE)
+    (docs,) = re.findall(r"^docs = \[(.*?)^\]$", pyproject, re.MULTILINE | re.DOTALL)
     assert re.search(r'"(ruff|black)\b', docs), docs
 
 
