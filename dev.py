@@ -17,8 +17,9 @@ deleted, only installed into.
 
 --matrix runs the suite where the README's support claims end: "oldest" is the lowest
 supported Python found on this machine (on PATH, or installed by pyenv) with Django 4.2
-and SQLAlchemy 2.0; "newest" the highest supported Python with the latest Django and
-SQLAlchemy releases it can run (pip picks them: Django 6.0 needs Python 3.12+).
+and SQLAlchemy 2.0; "newest" the highest supported Python with the latest releases of the
+newest Django and SQLAlchemy series claimed (6.0, 2.1) it can run (Django 6.0 needs
+Python 3.12+).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Matrix:
 
 MATRIX = {
     "oldest": Matrix("oldest", ("Django~=4.2.0", "SQLAlchemy~=2.0.0"), upgrade=False),
-    "newest": Matrix("newest", ("Django", "SQLAlchemy"), upgrade=True),
+    # The newest releases of the series the README claims, not beyond them.
+    "newest": Matrix("newest", ("Django<6.1", "SQLAlchemy<2.2"), upgrade=True),
 }
 
 
