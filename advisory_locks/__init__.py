@@ -1,48 +1,36 @@
-"""Database-held named locks for SQLAlchemy and Django.
+"""Database-held named locks for SQLAlchemy, Django and the raw database drivers.
 
-Public API: ``advisory_lock()``, ``AdvisoryLock``, ``lock_key()``,
-``current_advisory_locks()`` and the errors below.
+Public API: ``advisory_lock()``, ``advisory_lock_set()``, ``current_advisory_locks()``,
+``lock_key()``, the lock objects and the errors below. Importing this package loads no ORM
+and no driver: the binding for a bind is imported the first time such a bind is used
+(``import advisory_locks.sqlalchemy`` early to register SQLAlchemy's listeners before the
+first connection, see docs/concepts/architecture.md).
 """
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
-
+from advisory_locks._core.advisory import (
+    AdvisoryLock,
+    AdvisoryLockSet,
+    AsyncAdvisoryLock,
+    AsyncAdvisoryLockSet,
+)
+from advisory_locks._core.dispatch import (
+    advisory_lock,
+    advisory_lock_set,
+    current_advisory_locks,
+)
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockDeadlock,
     LockLost,
     LockNotAcquired,
     LockTimeout,
+    LockUsageError,
     UnsupportedDatabase,
     UnsupportedFeature,
 )
 from advisory_locks.keys import LockName, lock_key
-from advisory_locks.lock import (
-    AdvisoryLock,
-    AdvisoryLockSet,
-    AsyncAdvisoryLock,
-    AsyncAdvisoryLockSet,
-)
-
-if importlib.util.find_spec("sqlalchemy") is not None:
-    # Imported eagerly: the binding registers its transaction and pool listeners, which
-    # must exist before the application makes its first connection.
-    from advisory_locks.sqlalchemy import (
-        advisory_lock,
-        advisory_lock_set,
-        current_advisory_locks,
-    )
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("advisory_lock", "advisory_lock_set", "current_advisory_locks"):
-        raise UnsupportedDatabase(
-            f"advisory_locks.{name} needs SQLAlchemy: pip install 'advisory-locks[sqlalchemy]'"
-        )
-    raise AttributeError(f"module 'advisory_locks' has no attribute {name!r}")
-
 
 __all__ = [
     "AdvisoryLock",
@@ -55,6 +43,7 @@ __all__ = [
     "LockName",
     "LockNotAcquired",
     "LockTimeout",
+    "LockUsageError",
     "UnsupportedDatabase",
     "UnsupportedFeature",
     "advisory_lock",

@@ -13,17 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from advisory_locks.errors import AdvisoryLockError
-from advisory_locks.keys import (
-    DEFAULT_SCHEME,
-    KEY_SCHEMES,
-    PREFIX_ENV,
-    SCHEME_ENV,
-    LockKey,
-    LockName,
-    derive_key,
-)
-from advisory_locks.monitoring import (
+from advisory_locks._monitoring import (
     KnownNames,
     identify,
     key_details,
@@ -34,9 +24,19 @@ from advisory_locks.monitoring import (
     mysql_key_document,
     mysql_lock_name,
 )
+from advisory_locks.errors import AdvisoryLockError
+from advisory_locks.keys import (
+    DEFAULT_SCHEME,
+    KEY_SCHEMES,
+    PREFIX_ENV,
+    SCHEME_ENV,
+    LockKey,
+    LockName,
+    derive_key,
+)
 
 if TYPE_CHECKING:
-    from advisory_locks.backends.base import LockedRow
+    from advisory_locks._dialects.base import LockedRow
 
 __all__ = ["main"]
 
@@ -280,8 +280,9 @@ def _fetch_locks(url_text: str) -> tuple[list[LockedRow], str]:
         from sqlalchemy.pool import NullPool
     except ImportError:
         raise UsageError("needs SQLAlchemy: pip install 'advisory-locks[sqlalchemy]'") from None
-    from advisory_locks.backends import backend_for_dialect
-    from advisory_locks.executors import executor_for
+    from advisory_locks._core.executors import DBAPIExecutor
+    from advisory_locks._core.steps import on, run_steps
+    from advisory_locks._dialects import backend_for_dialect
 
     shown = url_text
     try:
@@ -295,8 +296,9 @@ def _fetch_locks(url_text: str) -> tuple[list[LockedRow], str]:
         try:
             with engine.connect() as connection:
                 pooled = connection.connection
-                executor = executor_for(pooled.dbapi_connection, pooled.driver_connection)
-                return backend.list_locks(executor), backend.dialect_name
+                executor = DBAPIExecutor(pooled.dbapi_connection)
+                rows = run_steps(on(executor, backend.list_locks(executor.state)))
+                return rows, backend.dialect_name
         finally:
             engine.dispose()
     except (SQLAlchemyError, AdvisoryLockError, ImportError, ValueError) as error:

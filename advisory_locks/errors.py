@@ -13,6 +13,7 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockTimeout",
+    "LockUsageError",
     "UnsupportedDatabase",
     "UnsupportedFeature",
 ]
@@ -54,6 +55,12 @@ class LockLost(AdvisoryLockError):
         self.name = name
 
 
+class LockUsageError(AdvisoryLockError, RuntimeError):
+    """The lock object was used in a way its contract forbids: released by a thread or
+    task that does not hold it, shared between threads or tasks, released when not held,
+    or a sync lock used with ``async with`` (and the other way round)."""
+
+
 class UnsupportedDatabase(AdvisoryLockError):
     """The bind's database or driver has no backend in this library."""
 
@@ -68,6 +75,7 @@ for _error in (
     LockTimeout,
     LockDeadlock,
     LockLost,
+    LockUsageError,
     UnsupportedDatabase,
     UnsupportedFeature,
 ):

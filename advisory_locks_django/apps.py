@@ -48,7 +48,7 @@ class AdvisoryLocksConfig(AppConfig):
 
 def _connection_created(sender: Any, connection: Any, **kwargs: Any) -> None:
     # A new DB-API connection holds nothing: drop (and report) what the old one held.
-    from advisory_locks_django.binding import REGISTRY_ATTRIBUTE, connection_locks
+    from advisory_locks_django._binding import REGISTRY_ATTRIBUTE, connection_locks
 
     if REGISTRY_ATTRIBUTE in connection.__dict__:
         connection_locks(connection)
@@ -57,7 +57,7 @@ def _connection_created(sender: Any, connection: Any, **kwargs: Any) -> None:
 def _request_finished(sender: Any, **kwargs: Any) -> None:
     # Runs after Django's own close_old_connections(): report what rollbacks and closed
     # connections released, and finish unlocks a failed transaction postponed.
-    from advisory_locks_django.binding import observe_connection
+    from advisory_locks_django._binding import observe_connection
 
     for connection in connections.all(initialized_only=True):
         observe_connection(connection)

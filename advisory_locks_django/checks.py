@@ -11,7 +11,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 from django.db.utils import load_backend
 
-from advisory_locks.backends import backend_for_dialect
+from advisory_locks._dialects import backend_for_dialect
 from advisory_locks.errors import UnsupportedDatabase
 from advisory_locks_django._mysql_driver import mysql_aliases, mysql_driver
 from advisory_locks_django.conf import SESSION_UNSAFE_POOLERS, SETTING, lock_settings, problems

@@ -1,7 +1,7 @@
 """``advisory_lock()`` for Django: a context manager, a decorator and an acquire/release pair.
 
 The lock itself is the core's ``AdvisoryLock`` on a
-``DjangoSite`` (``advisory_locks_django.binding``); this module adds what Django code
+``DjangoSite`` (``advisory_locks_django._binding``); this module adds what Django code
 expects around it: defaults from settings, ``atomic()`` for ``transaction=True``, signals,
 names computed from a decorated function's arguments, and ``async`` support.
 """
@@ -20,7 +20,15 @@ from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db import transaction as django_transaction
 
-from advisory_locks.backends.base import Timeout, validate_flags, validate_timeout
+from advisory_locks._core.advisory import AdvisoryLock
+from advisory_locks._core.connection import Holding
+from advisory_locks._core.contract import (
+    LockOptions,
+    Timeout,
+    not_acquired_error,
+    validate_flags,
+    validate_timeout,
+)
 from advisory_locks.errors import (
     LockDeadlock,
     LockLost,
@@ -29,10 +37,14 @@ from advisory_locks.errors import (
     UnsupportedFeature,
 )
 from advisory_locks.keys import LockKey, LockName, derive_key
-from advisory_locks.lock import AdvisoryLock, not_acquired_error
-from advisory_locks.registry import Holding
-from advisory_locks_django import signals
-from advisory_locks_django.binding import DjangoConnectionLocks, DjangoSite, connection_locks
+from advisory_locks_django import _binding, signals
+from advisory_locks_django._binding import (
+    DjangoConnectionLocks,
+    DjangoExecutor,
+    DjangoSite,
+    connection_locks,
+    release_pending,
+)
 from advisory_locks_django.conf import lock_settings
 
 __all__ = ["DjangoAdvisoryLock", "NameSpec", "advisory_lock", "current_advisory_locks"]
@@ -226,9 +238,9 @@ class DjangoAdvisoryLock:
                 atomic.__exit__(None, None, None)
             self._send_failed(lock.key_info, started, None)
             return False
-        lease = self._site.last_lease
-        assert lease is not None
-        locks = lease.registry
+        borrow = self._site.last_borrow
+        assert borrow is not None
+        locks = borrow.registry
         holding = locks.find(lock.key_info, shared=self.shared, transaction=self.transaction)
         assert holding is not None
         self._atomics.append(atomic)
@@ -290,10 +302,8 @@ class DjangoAdvisoryLock:
         if wrapper.connection is not None and not wrapper.in_atomic_block:
             locks = connection_locks(wrapper)
             if locks.pending_release:
-                from advisory_locks_django.binding import DjangoExecutor, release_pending
-
                 release_pending(
-                    locks, DjangoExecutor(wrapper, wrapper.connection, locks.driver_info)
+                    locks, DjangoExecutor(wrapper, wrapper.connection, locks.driver_state)
                 )
 
     def __enter__(self) -> DjangoAdvisoryLock:
@@ -421,9 +431,7 @@ class DjangoAdvisoryLock:
         return AdvisoryLock(
             self._site,
             key,
-            timeout=self.timeout,
-            shared=self.shared,
-            transaction=self.transaction,
+            LockOptions(timeout=self.timeout, shared=self.shared, transaction=self.transaction),
         )
 
     def _not_acquired(self) -> LockNotAcquired:
@@ -432,6 +440,7 @@ class DjangoAdvisoryLock:
     def _send(self, signal: Any, **extra: Any) -> None:
         signals.send(
             signal,
+            DjangoAdvisoryLock,
             self._core().key_info,
             using=self.using,
             shared=self.shared,
@@ -495,3 +504,21 @@ def _name_factory(
         return name.format_map(arguments)
 
     return format_name
+
+
+def _send_released(
+    locks: DjangoConnectionLocks, holding: Holding, held: float, reason: str
+) -> None:
+    signals.send(
+        signals.lock_released,
+        DjangoAdvisoryLock,
+        holding.key,
+        using=locks.alias,
+        shared=holding.shared,
+        transaction=holding.transaction,
+        held=held,
+        reason=reason,
+    )
+
+
+_binding.release_listeners.append(_send_released)

@@ -45,15 +45,20 @@ lock_failed = Signal()
 
 
 def send(
-    signal: Signal, key: LockKey, *, using: str, shared: bool, transaction: bool, **extra: Any
+    signal: Signal,
+    sender: type,
+    key: LockKey,
+    *,
+    using: str,
+    shared: bool,
+    transaction: bool,
+    **extra: Any,
 ) -> None:
     """Send ``signal`` about one lock, unless signals are switched off or unheard."""
     if not signal.receivers or not lock_settings().send_signals:
         return
-    from advisory_locks_django.locks import DjangoAdvisoryLock
-
     responses = signal.send_robust(
-        DjangoAdvisoryLock,
+        sender,
         name=key.name,
         key=key.value,
         using=using,

@@ -21,10 +21,10 @@ import pytest
 from psycopg.rows import TupleRow
 from sqlalchemy.engine import URL
 
-from advisory_locks.backends.base import LockedRow
+from advisory_locks._dialects.base import LockedRow
+from advisory_locks._monitoring import Identity, identify, rails_comment_name
 from advisory_locks.cli import installed_mysql_driver, main
 from advisory_locks.keys import derive_key, lock_key
-from advisory_locks.monitoring import Identity, identify, rails_comment_name
 from tests.databases import psycopg_connect, pymysql_connect
 
 OBSERVE_DEADLINE_SECONDS = 10.0

@@ -16,10 +16,11 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
 
 from advisory_locks import LockDeadlock, LockLost, UnsupportedFeature, advisory_lock
-from advisory_locks.backends import backend_for_dialect
-from advisory_locks.backends.mysql import server_lock_name
+from advisory_locks._core.executors import DBAPIExecutor, protocol_session_id
+from advisory_locks._core.steps import on, run_steps
+from advisory_locks._dialects import backend_for_dialect
+from advisory_locks._dialects.mysql import server_lock_name
 from advisory_locks.cli import main
-from advisory_locks.executors import executor_for, protocol_session_id
 from advisory_locks.keys import derive_key
 from tests.databases import import_mysqlclient, pymysql_connect
 from tests.helpers import unique_name, wait_for
@@ -199,13 +200,13 @@ def test_list_locks_shows_the_held_lock_or_says_how_to_expose_locks(
         mysql_engine.connect() as viewer,
     ):
         pooled = viewer.connection
-        executor = executor_for(pooled.dbapi_connection, pooled.driver_connection)
+        executor = DBAPIExecutor(pooled.dbapi_connection)
         if sources:
-            keys = [row.key for row in backend.list_locks(executor)]
+            keys = [row.key for row in run_steps(on(executor, backend.list_locks(executor.state)))]
             assert server_lock_name(derive_key(name)) in keys
         else:
             with pytest.raises(UnsupportedFeature, match="metadata_lock_info"):
-                backend.list_locks(executor)
+                run_steps(on(executor, backend.list_locks(executor.state)))
 
 
 def test_cli_key_prints_the_mysql_lock_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,9 +8,10 @@ import pytest
 from sqlalchemy import create_engine
 
 from advisory_locks import UnsupportedFeature, advisory_lock
-from advisory_locks.backends import backend_for_dialect
-from advisory_locks.backends.sqlite import lock_file_path
-from advisory_locks.executors import executor_for
+from advisory_locks._core.executors import DBAPIExecutor
+from advisory_locks._core.steps import on, run_steps
+from advisory_locks._dialects import backend_for_dialect
+from advisory_locks._dialects.sqlite import lock_file_path
 from advisory_locks.keys import derive_key
 
 
@@ -58,9 +59,9 @@ def test_listing_locks_is_refused_and_points_to_the_lock_files(tmp_path: Path) -
     engine = create_engine(f"sqlite:///{tmp_path / 'app.sqlite'}")
     with engine.connect() as connection:
         pooled = connection.connection
-        executor = executor_for(pooled.dbapi_connection, pooled.driver_connection)
+        executor = DBAPIExecutor(pooled.dbapi_connection)
         with pytest.raises(UnsupportedFeature, match="lsof"):
-            backend_for_dialect("sqlite").list_locks(executor)
+            run_steps(on(executor, backend_for_dialect("sqlite").list_locks(executor.state)))
     engine.dispose()
 
 

@@ -32,8 +32,8 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session
 
 from advisory_locks import advisory_lock
-from advisory_locks.backends.mysql import server_lock_name
-from advisory_locks.backends.sqlite import lock_file_path
+from advisory_locks._dialects.mysql import server_lock_name
+from advisory_locks._dialects.sqlite import lock_file_path
 from advisory_locks.keys import derive_key
 from tests.databases import pymysql_connect
 from tests.django_aliases import aim_django_alias

@@ -19,9 +19,9 @@ import portalocker
 from sqlalchemy import Engine, event
 from sqlalchemy.engine import URL
 
-from advisory_locks.backends.mysql import server_lock_name
-from advisory_locks.backends.sqlite import lock_file_path
-from advisory_locks.executors import protocol_session_id
+from advisory_locks._core.executors import protocol_session_id
+from advisory_locks._dialects.mysql import server_lock_name
+from advisory_locks._dialects.sqlite import lock_file_path
 from advisory_locks.keys import derive_key
 from tests.helpers import backend_alive, holder_pids, wait_for
 

@@ -20,7 +20,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from advisory_locks import AdvisoryLockError, LockLost, advisory_lock
+from advisory_locks import LockLost, LockUsageError, advisory_lock
 from tests.contract.conftest import DJANGO_ALIASES
 from tests.django_aliases import aim_django_alias
 from tests.faults.conftest import inject
@@ -167,12 +167,12 @@ def test_ensure_held_passes_for_a_transaction_lock_inside_its_transaction(
         lock.ensure_held()
 
 
-def test_ensure_held_on_a_lock_that_is_not_held_raises_advisory_lock_error(
+def test_ensure_held_on_a_lock_that_is_not_held_is_a_usage_error(
     make_engine: Callable[..., Engine],
 ) -> None:
     with make_engine().connect() as connection:
         lock = advisory_lock(connection, unique_name())
-        with pytest.raises(AdvisoryLockError, match="not held by this object"):
+        with pytest.raises(LockUsageError, match="not held by this lock object"):
             lock.ensure_held()
 
 

@@ -16,8 +16,9 @@ import pytest
 from sqlalchemy import Engine
 
 from advisory_locks import advisory_lock
-from advisory_locks.backends.postgresql import PostgresBackend
-from advisory_locks.executors import executor_for
+from advisory_locks._core.executors import DBAPIExecutor
+from advisory_locks._core.steps import VALUE, Statement, on, run_steps
+from advisory_locks._dialects.postgresql import PostgresBackend
 from advisory_locks.keys import derive_key
 from tests.faults.conftest import inject, report
 from tests.helpers import unique_name
@@ -45,7 +46,7 @@ def test_timed_out_session_lock_wait_never_leaves_the_lock_held(
         try:
             with engine.connect() as connection:
                 raw = connection.connection
-                executor = executor_for(raw.dbapi_connection, raw.driver_connection)
+                executor = DBAPIExecutor(raw.dbapi_connection)
                 start.wait()
                 for round_number in range(ROUNDS):
                     # 1-4 ms: short enough that many waits end as the other side releases.
@@ -55,10 +56,12 @@ def test_timed_out_session_lock_wait_never_leaves_the_lock_held(
                         lock.release()
                         continue
                     timeouts[0] += 1
-                    held = backend.is_held(executor, key, shared=False)
+                    held = run_steps(on(executor, backend.is_held({}, key, shared=False)))
                     if held:
                         left_held.append(round_number)
-                        executor.fetch_value("SELECT pg_advisory_unlock(%s)", key.ints)
+                        executor.execute(
+                            Statement(VALUE, "SELECT pg_advisory_unlock(%s)", key.ints)
+                        )
                     # The raw check opened a transaction the Connection does not know of.
                     raw.dbapi_connection.commit()  # type: ignore[union-attr]
         except BaseException as error:  # reported by the main thread

@@ -1,7 +1,7 @@
 """``manage.py advisory_locks list|key``: the ``advisory-locks`` command, on Django's databases.
 
 The listing and its table are the core CLI's (the backend's ``list_locks`` and
-``advisory_locks.monitoring``, which also reads the Rails gem's query comments and guesses
+``advisory_locks._monitoring``, which also reads the Rails gem's query comments and guesses
 a scheme per key); this command adds the names this process can tell: those of locks it
 holds itself, and any ``--name`` given, hashed with the project's key prefix and every key
 scheme (a match tells the scheme). ``key`` shows what the database behind ``--database``
@@ -18,9 +18,8 @@ from typing import Any, TextIO, cast
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 
-from advisory_locks.errors import AdvisoryLockError
-from advisory_locks.keys import KEY_SCHEMES, derive_key
-from advisory_locks.monitoring import (
+from advisory_locks._core.steps import on, run_steps
+from advisory_locks._monitoring import (
     Identity,
     KnownNames,
     identify,
@@ -32,7 +31,9 @@ from advisory_locks.monitoring import (
     mysql_key_document,
     mysql_lock_name,
 )
-from advisory_locks_django.binding import DjangoExecutor, backend_for_alias, held_keys
+from advisory_locks.errors import AdvisoryLockError
+from advisory_locks.keys import KEY_SCHEMES, derive_key
+from advisory_locks_django._binding import DjangoExecutor, backend_for_alias, held_keys
 from advisory_locks_django.conf import lock_settings
 
 DIALECTS = ("postgresql", "mysql")
@@ -107,7 +108,8 @@ class Command(BaseCommand):
         wrapper.ensure_connection()
         try:
             # Listing holds nothing client-side, so a throwaway state dict is enough.
-            rows = backend.list_locks(DjangoExecutor(wrapper, wrapper.connection, {}))
+            executor = DjangoExecutor(wrapper, wrapper.connection, {})
+            rows = run_steps(on(executor, backend.list_locks(executor.state)))
         except AdvisoryLockError as error:
             # Worded as the core CLI words it, with the alias in place of the URL.
             raise CommandError(f"cannot list locks on database {alias!r}: {error}") from error

@@ -23,18 +23,22 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from django.db import connections
 
-from advisory_locks.backends import Backend, backend_for_dialect
-from advisory_locks.backends.base import Executor, HoldsLocksClientSide
+from advisory_locks._core.connection import (
+    ConnectionState,
+    Holding,
+    check_server,
+    finish_pending_releases,
+)
+from advisory_locks._core.executors import DBAPIExecutor
+from advisory_locks._core.steps import Statement, run_steps
+from advisory_locks._dialects import Backend, backend_for_dialect
 from advisory_locks.errors import UnsupportedFeature
-from advisory_locks.executors import STATE_INFO_KEY, executor_for, protocol_session_id
-from advisory_locks.registry import ConnectionLocks, Holding
-from advisory_locks_django import signals
 from advisory_locks_django.conf import SESSION_UNSAFE_POOLERS, lock_settings
 
 if TYPE_CHECKING:
@@ -43,9 +47,9 @@ if TYPE_CHECKING:
     from advisory_locks.keys import LockKey, LockName
 
 __all__ = [
+    "DjangoBorrow",
     "DjangoConnectionLocks",
     "DjangoExecutor",
-    "DjangoLease",
     "DjangoSite",
     "backend_for_alias",
     "connection_locks",
@@ -59,6 +63,11 @@ REGISTRY_ATTRIBUTE: Final = "_advisory_locks"
 # locks this process holds, whichever thread holds them.
 _registries: weakref.WeakSet[DjangoConnectionLocks] = weakref.WeakSet()
 
+# Told of every lock the server gave back, with the reason (the app's signals subscribe;
+# the bookkeeping itself sends nothing).
+ReleaseListener = Callable[["DjangoConnectionLocks", Holding, float, str], None]
+release_listeners: list[ReleaseListener] = []
+
 
 def backend_for_alias(alias: str) -> Backend:
     """The dialect backend for a database alias (raises UnsupportedDatabase)."""
@@ -66,21 +75,14 @@ def backend_for_alias(alias: str) -> Backend:
 
 
 @dataclass(eq=False)
-class DjangoConnectionLocks(ConnectionLocks):
+class DjangoConnectionLocks(ConnectionState):
     """What one DB-API connection of one Django alias holds through this library."""
 
     alias: str = "default"
     dbapi_connection: Any = None
     wrapper: weakref.ReferenceType[BaseDatabaseWrapper] | None = None
     granted_at: dict[Holding, float] = field(default_factory=dict)
-    # Whether the server session differs from the one the driver connected to (a pooler
-    # or proxy in between); None until the server was asked, once per DB-API connection.
-    behind_proxy: bool | None = None
     executor: DjangoExecutor | None = None
-    # Lives exactly as long as the DB-API connection (this registry is replaced when
-    # Django reconnects): backends that hold locks client-side (SQLite's file locks)
-    # keep them here, so they go when the connection goes.
-    driver_info: dict[Any, Any] = field(default_factory=dict)
     # The run_on_commit callback that watches each transaction lock.
     commit_hooks: dict[Holding, weakref.ReferenceType[Callable[[], None]]] = field(
         default_factory=dict
@@ -104,15 +106,9 @@ class DjangoConnectionLocks(ConnectionLocks):
         granted_at = self.granted_at.pop(holding, None)
         if granted_at is None:
             return  # already reported
-        signals.send(
-            signals.lock_released,
-            holding.key,
-            using=self.alias,
-            shared=holding.shared,
-            transaction=holding.transaction,
-            held=time.monotonic() - granted_at,
-            reason=reason,
-        )
+        held = time.monotonic() - granted_at
+        for listener in release_listeners:
+            listener(self, holding, held, reason)
 
     def _watch_transaction(self, holding: Holding) -> None:
         wrapper = self.wrapper() if self.wrapper is not None else None
@@ -144,16 +140,10 @@ class DjangoConnectionLocks(ConnectionLocks):
             if callback is None or id(callback) not in pending or not wrapper.in_atomic_block:
                 self.released(holding, "rollback")
 
-    def connection_gone(self) -> None:
+    def django_connection_gone(self) -> None:
         """Django closed or replaced the DB-API connection; the server let go of all."""
-        backend: object = self.backend
-        if isinstance(backend, HoldsLocksClientSide):
-            # No server lets go of these (SQLite's file locks): let go of them now rather
-            # than when the garbage collector finds the old connection's state.
-            backend.connection_closed(self.driver_info.get(STATE_INFO_KEY, {}))
-        for holding in [*self.holdings.values(), *self.pending_release]:
+        for holding in self.connection_gone():
             self.released(holding, "connection_closed")
-        self.pending_release.clear()
 
 
 def connection_locks(
@@ -164,7 +154,7 @@ def connection_locks(
     locks = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
     if not isinstance(locks, DjangoConnectionLocks) or locks.dbapi_connection is not dbapi:
         if isinstance(locks, DjangoConnectionLocks):
-            locks.connection_gone()
+            locks.django_connection_gone()
         locks = DjangoConnectionLocks(
             alias=wrapper.alias, dbapi_connection=dbapi, wrapper=weakref.ref(wrapper)
         )
@@ -187,17 +177,12 @@ def observe_connection(wrapper: BaseDatabaseWrapper) -> None:
         return
     locks = connection_locks(wrapper)
     if locks.pending_release and wrapper.connection is not None and wrapper.get_autocommit():
-        release_pending(locks, DjangoExecutor(wrapper, wrapper.connection, locks.driver_info))
+        release_pending(locks, DjangoExecutor(wrapper, wrapper.connection, locks.driver_state))
 
 
 def release_pending(locks: DjangoConnectionLocks, executor: DjangoExecutor) -> None:
     """Unlock the session locks whose release waited for a failed transaction to end."""
-    if locks.backend is None:
-        return
-    holdings = list(locks.pending_release)
-    locks.pending_release.clear()
-    for holding in holdings:
-        locks.backend.release(executor, holding.key, shared=holding.shared)
+    for holding in run_steps(finish_pending_releases(locks, executor)):
         locks.released(holding, "unlock")
 
 
@@ -223,43 +208,34 @@ class DjangoExecutor:
     __slots__ = ("_executor", "wrapper")
 
     def __init__(
-        self, wrapper: BaseDatabaseWrapper, dbapi_connection: Any, info: dict[Any, Any]
+        self, wrapper: BaseDatabaseWrapper, dbapi_connection: Any, state: dict[str, Any]
     ) -> None:
         self.wrapper = wrapper
-        self._executor = executor_for(dbapi_connection, dbapi_connection, info)
+        self._executor = DBAPIExecutor(dbapi_connection, state)
 
     @property
     def state(self) -> dict[str, Any]:
-        state: dict[str, Any] = getattr(self._executor, "state", {})
-        return state
+        return self._executor.state
 
-    def fetch_value(self, sql: str, params: Sequence[Any]) -> object:
+    def execute(self, statement: Statement) -> object:
         with self.wrapper.wrap_database_errors:
-            return self._executor.fetch_value(sql, params)
-
-    def run_script(self, sql: str) -> None:
-        with self.wrapper.wrap_database_errors:
-            self._executor.run_script(sql)
-
-    def fetch_rows(self, sql: str) -> list[tuple[object, ...]]:
-        with self.wrapper.wrap_database_errors:
-            return self._executor.fetch_rows(sql)
+            return self._executor.execute(statement)
 
 
 class DjangoSite:
     """Locks on one database alias, on the connection of the thread that takes them."""
 
-    __slots__ = ("alias", "backend", "last_lease")
+    __slots__ = ("alias", "backend", "last_borrow")
 
     def __init__(self, alias: str) -> None:
         self.alias = alias
         self.backend = backend_for_alias(alias)
-        # The lease of the latest acquire, so the caller can find what it was granted.
-        self.last_lease: DjangoLease | None = None
+        # The borrow of the latest acquire, so the caller can find what it was granted.
+        self.last_borrow: DjangoBorrow | None = None
 
-    def lease(self, *, transaction: bool) -> DjangoLease:
-        self.last_lease = DjangoLease(self, connections[self.alias], transaction=transaction)
-        return self.last_lease
+    def borrow(self, *, transaction: bool) -> DjangoBorrow:
+        self.last_borrow = DjangoBorrow(self, connections[self.alias], transaction=transaction)
+        return self.last_borrow
 
     def locks(self) -> DjangoConnectionLocks:
         """This thread's registry for the alias, connecting first if needed."""
@@ -273,14 +249,18 @@ class DjangoSite:
             return []
         return connection_locks(wrapper).names()
 
+    def holds_anywhere(self, key: LockKey) -> bool:
+        """Whether any thread of this process holds ``key`` on this alias's database."""
+        return any(held.ints == key.ints for held in held_keys(self.alias))
 
-class DjangoLease:
+
+class DjangoBorrow:
     """The Django connection a lock runs on; never closed by the lock unless broken."""
 
-    __slots__ = ("dbapi_connection", "executor", "in_transaction", "locks", "registry", "wrapper")
+    __slots__ = ("dbapi_connection", "executor", "in_transaction", "registry", "state", "wrapper")
 
-    executor: Executor
-    locks: ConnectionLocks
+    executor: DjangoExecutor
+    state: DjangoConnectionLocks
 
     def __init__(
         self, site: DjangoSite, wrapper: BaseDatabaseWrapper, *, transaction: bool
@@ -305,37 +285,38 @@ class DjangoLease:
         wrapper.validate_no_broken_transaction()
         self.wrapper = wrapper
         self.dbapi_connection = wrapper.connection
-        self.registry = self.locks = connection_locks(wrapper, site.backend)
+        self.registry = self.state = connection_locks(wrapper, site.backend)
         # Django's autocommit is the driver's: off means the statements join a
         # transaction (atomic(), or set_autocommit(False)) that the backend must protect.
         self.in_transaction = not wrapper.get_autocommit()
         if self.registry.executor is None:
             self.registry.executor = DjangoExecutor(
-                wrapper, self.dbapi_connection, self.registry.driver_info
+                wrapper, self.dbapi_connection, self.registry.driver_state
             )
         self.executor = self.registry.executor
-        self._check_server(site, pooler, session_lock=not transaction)
+        run_steps(
+            check_server(
+                self.registry,
+                self.executor,
+                self.dbapi_connection,
+                # Transaction poolers were refused above with Django's own wording.
+                pooler=None if pooler is None else "session",
+                session_lock=not transaction,
+                declare_pooler=(
+                    f"ADVISORY_LOCKS['POOLERS'] = {{{site.alias!r}: 'pgbouncer-session'}}"
+                ),
+            )
+        )
         if self.registry.pending_release and not self.in_transaction:
             release_pending(self.registry, self.registry.executor)
 
-    def _check_server(self, site: DjangoSite, pooler: str | None, *, session_lock: bool) -> None:
-        # Refuses servers that only imitate advisory locks; asked once per connection.
-        registry = self.registry
-        if registry.behind_proxy is None:
-            server_id = site.backend.inspect_server(self.executor)
-            client_id = protocol_session_id(self.dbapi_connection)
-            registry.behind_proxy = client_id is not None and client_id != server_id
-        if session_lock and registry.behind_proxy and pooler is None:
-            raise UnsupportedFeature(
-                f"session advisory locks are refused on database {site.alias!r}: it reaches "
-                "the server through a pooler or proxy (the server process id the driver was "
-                "told at connect is not the one its statements run in), which may move the "
-                "lock to another client's connection. Use transaction=True, or, if the "
-                "pooler pins each client to one server connection, declare it: "
-                f"ADVISORY_LOCKS['POOLERS'] = {{{site.alias!r}: 'pgbouncer-session'}}"
-            )
-
     def done(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    async def asettle(self) -> None:
         pass
 
     def broken(self, error: BaseException) -> None:

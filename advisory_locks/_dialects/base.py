@@ -1,36 +1,28 @@
-"""What a dialect backend does, and the small driver interface it runs SQL through."""
+"""What a dialect backend does.
+
+A backend holds one database family's SQL and error codes, and nothing else: its methods
+that talk to the server are generators of ``Statement`` requests (see
+``advisory_locks._core.steps``), so the same backend serves blocking and asyncio drivers.
+``state`` is the dict that lives exactly as long as the driver connection (the per-connection
+cache a backend may keep: SQLite's open lock files, whether a MySQL server is MariaDB).
+"""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Generator, Hashable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Final, Protocol, TypeAlias, TypeVar, runtime_checkable
 
+from advisory_locks._core.contract import Timeout
+from advisory_locks._core.steps import Statement
 from advisory_locks.keys import LockKey
 
-Timeout: TypeAlias = float | None
+T = TypeVar("T")
 
-
-class Executor(Protocol):
-    """Runs SQL on one DB-API connection; made by the ORM binding for its driver."""
-
-    @property
-    def state(self) -> dict[str, Any]:
-        """Scratch space that lives exactly as long as the DB-API connection.
-
-        Backends that hold a lock client-side (SQLite's file locks) keep it here, so it
-        is let go when the connection is closed or discarded.
-        """
-
-    def fetch_value(self, sql: str, params: Sequence[object]) -> object:
-        """Run one statement with ``%s`` placeholders and return the first column."""
-
-    def run_script(self, sql: str) -> None:
-        """Run several ``;``-separated statements in one round trip (no parameters)."""
-
-    def fetch_rows(self, sql: str) -> list[tuple[object, ...]]:
-        """Run one statement without parameters and return all rows."""
+# Key in a connection's state: the server version string, where the driver learned it at
+# connect (no round trip needed to tell MariaDB from MySQL).
+SERVER_VERSION_STATE: Final = "server_version"
+StatementSteps: TypeAlias = Generator[Statement, Any, T]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,20 +46,23 @@ class Backend(Protocol):
     """The SQL of one database family for taking and giving back named locks."""
 
     dialect_name: str
+    # False where the locks are held by this process (SQLite's file locks): then taking
+    # one sends no statement that could disturb the caller's transaction.
+    locks_on_server: bool
 
     def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
         """Raise before any SQL when this database cannot honour the options."""
 
     def acquire(
         self,
-        executor: Executor,
+        state: dict[str, Any],
         key: LockKey,
         *,
         shared: bool,
         transaction: bool,
         timeout: Timeout,
         in_transaction: bool,
-    ) -> bool:
+    ) -> StatementSteps[bool]:
         """Take the lock; False when it stayed busy for ``timeout``.
 
         ``in_transaction`` tells whether the connection is inside a transaction the
@@ -77,16 +72,16 @@ class Backend(Protocol):
     def lock_identity(self, key: LockKey) -> Hashable:
         """What the server locks on for ``key``: equal identities are one lock."""
 
-    def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+    def release(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         """Give back a session lock; False when the server says it did not hold it."""
 
-    def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+    def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         """Whether the server holds ``key`` in this mode for the executor's session.
 
         One round trip; a session or transaction lock of that mode both count.
         """
 
-    def inspect_server(self, executor: Executor) -> int:
+    def inspect_server(self, state: dict[str, Any]) -> StatementSteps[int]:
         """Check, once per physical connection, that the server really has these locks.
 
         Raise ``UnsupportedDatabase`` for servers that only imitate them; warn where
@@ -95,7 +90,7 @@ class Backend(Protocol):
         the driver was told at connect to notice a pooler or proxy in between.
         """
 
-    def list_locks(self, executor: Executor) -> list[LockedRow]:
+    def list_locks(self, state: dict[str, Any]) -> StatementSteps[list[LockedRow]]:
         """Every advisory lock held or awaited in the connection's database."""
 
     def is_connection_failure(self, error: BaseException) -> bool:
@@ -112,27 +107,3 @@ class HoldsLocksClientSide(Protocol):
     def connection_closed(self, state: dict[str, Any]) -> None:
         """The DB-API connection whose executor ``state`` this is has closed: let go of
         every lock held for it, as a server lets go of a closed session's locks."""
-
-
-def validate_flags(*, shared: object, transaction: object) -> None:
-    """``shared`` and ``transaction`` must be real bools: ``"no"`` is truthy."""
-    for option, value in (("shared", shared), ("transaction", transaction)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{option} must be True or False, not {type(value).__name__}")
-
-
-def validate_timeout(timeout: object) -> Timeout:
-    """None, or finite seconds >= 0; raise TypeError/ValueError otherwise."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(
-            f"timeout must be None or a number of seconds, not {type(timeout).__name__}"
-        )
-    seconds = float(timeout)
-    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
-        raise ValueError(
-            f"timeout must be None (wait forever), 0 (do not wait) or finite seconds > 0, "
-            f"not {timeout!r}"
-        )
-    return seconds

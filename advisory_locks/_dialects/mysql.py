@@ -18,7 +18,9 @@ import re
 from collections.abc import Hashable
 from typing import Any, Final
 
-from advisory_locks.backends.base import Executor, LockedRow, Timeout
+from advisory_locks._core.contract import Timeout
+from advisory_locks._core.steps import ROWS, VALUE, Statement
+from advisory_locks._dialects.base import SERVER_VERSION_STATE, LockedRow, StatementSteps
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockDeadlock,
@@ -27,6 +29,8 @@ from advisory_locks.errors import (
 from advisory_locks.keys import LockKey
 
 __all__ = ["MySQLBackend", "server_lock_name"]
+
+MARIADB_STATE: Final = "mysql.is_mariadb"
 
 MAX_NAME_CHARS: Final = 64
 HASH_HEX_CHARS: Final = 32
@@ -51,8 +55,9 @@ SHARED_REFUSED: Final = (
 )
 TRANSACTION_REFUSED: Final = (
     "MySQL and MariaDB have no transaction-scoped named locks: COMMIT and ROLLBACK do not "
-    "release GET_LOCK. Take a session lock (transaction=False) around the transaction "
-    "instead: `with advisory_lock(session, name): ... session.commit()`"
+    "release GET_LOCK. Take a session lock (transaction=False) that spans the whole "
+    "transaction instead: acquire it before the transaction begins and release it after "
+    "the commit or rollback"
 )
 
 # performance_schema lists user locks on MySQL 5.7+ and on MariaDB with it switched on;
@@ -114,6 +119,7 @@ class MySQLBackend:
     """Session-scoped exclusive locks (``GET_LOCK``) with server-side waits."""
 
     dialect_name = "mysql"
+    locks_on_server = True
 
     def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
         if shared:
@@ -128,21 +134,21 @@ class MySQLBackend:
 
     def acquire(
         self,
-        executor: Executor,
+        state: dict[str, Any],
         key: LockKey,
         *,
         shared: bool,
         transaction: bool,
         timeout: Timeout,
         in_transaction: bool,
-    ) -> bool:
+    ) -> StatementSteps[bool]:
         # GET_LOCK neither needs nor disturbs a transaction, and a failed wait leaves
         # the caller's transaction usable, so in_transaction needs no care here.
         self.check_options(shared=shared, transaction=transaction, timeout=timeout)
-        seconds = _server_timeout(executor, timeout)
+        seconds = yield from _server_timeout(state, timeout)
         try:
-            granted = executor.fetch_value(
-                "SELECT GET_LOCK(%s, %s)", (server_lock_name(key), seconds)
+            granted = yield Statement(
+                VALUE, "SELECT GET_LOCK(%s, %s)", (server_lock_name(key), seconds)
             )
         except Exception as error:
             code = error_code(error)
@@ -164,30 +170,32 @@ class MySQLBackend:
         # rails scheme's CRC32) are two different locks here.
         return server_lock_name(key)
 
-    def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+    def release(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         # 0: another session holds it; NULL: nobody does. Either way it was not ours.
-        return bool(executor.fetch_value("SELECT RELEASE_LOCK(%s)", (server_lock_name(key),)))
+        released = yield Statement(VALUE, "SELECT RELEASE_LOCK(%s)", (server_lock_name(key),))
+        return bool(released)
 
-    def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
-        return bool(
-            executor.fetch_value(
-                "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()", (server_lock_name(key),)
-            )
+    def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
+        held = yield Statement(
+            VALUE, "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()", (server_lock_name(key),)
         )
+        return bool(held)
 
-    def inspect_server(self, executor: Executor) -> int:
-        connection_id = executor.fetch_value("SELECT CONNECTION_ID()", ())
+    def inspect_server(self, state: dict[str, Any]) -> StatementSteps[int]:
+        connection_id = yield Statement(VALUE, "SELECT CONNECTION_ID()")
         return int(str(connection_id))
 
-    def list_locks(self, executor: Executor) -> list[LockedRow]:
-        performance_schema, metadata_lock_info = executor.fetch_rows(LOCK_SOURCES_SQL)[0]
+    def list_locks(self, state: dict[str, Any]) -> StatementSteps[list[LockedRow]]:
+        sources = yield Statement(ROWS, LOCK_SOURCES_SQL)
+        performance_schema, metadata_lock_info = sources[0]
         if _truthy(performance_schema):
             sql = PERFORMANCE_SCHEMA_SQL
         elif _truthy(metadata_lock_info):
             sql = METADATA_LOCK_INFO_SQL
         else:
             raise UnsupportedFeature(NO_LOCK_SOURCE)
-        return [_locked_row(row) for row in executor.fetch_rows(sql)]
+        rows = yield Statement(ROWS, sql)
+        return [_locked_row(row) for row in rows]
 
     def is_connection_failure(self, error: BaseException) -> bool:
         if error_code(error) in CONNECTION_GONE:
@@ -213,29 +221,30 @@ def error_code(error: BaseException) -> int | None:
     return None
 
 
-def _server_timeout(executor: Executor, timeout: Timeout) -> float | int:
+def _server_timeout(state: dict[str, Any], timeout: Timeout) -> StatementSteps[float | int]:
+    if timeout == 0:
+        return 0
+    mariadb = yield from _is_mariadb(state)
     if timeout is None:
         # MySQL waits without limit for a negative timeout; MariaDB (10.11) answers NULL
         # with warning 1411 "Incorrect timeout value" instead, so it gets 68 years.
-        return MAX_TIMEOUT_SECONDS if _is_mariadb(executor) else -1
-    if timeout == 0 or _is_mariadb(executor):
+        return MAX_TIMEOUT_SECONDS if mariadb else -1
+    if mariadb:
         return timeout  # MariaDB waits for fractions of a second
     # MySQL reads the timeout as whole seconds. Round up, never down: 0.3 s becomes 1 s
     # rather than 0, which would mean "do not wait" and fail where the caller would wait.
     return max(1, math.ceil(timeout))
 
 
-def _is_mariadb(executor: Executor) -> bool:
-    state = executor.state
-    cached = state.get("mysql.is_mariadb")
+def _is_mariadb(state: dict[str, Any]) -> StatementSteps[bool]:
+    cached = state.get(MARIADB_STATE)
     if cached is None:
-        connection: Any = getattr(executor, "connection", None)
-        server_info = getattr(connection, "get_server_info", None)
-        # PyMySQL and mysqlclient know the version from the handshake; no round trip.
-        version = server_info() if callable(server_info) else None
+        # Executors of drivers that learn the version in the handshake (PyMySQL,
+        # mysqlclient) put it in the state; otherwise ask once per connection.
+        version = state.get(SERVER_VERSION_STATE)
         if not isinstance(version, str):
-            version = str(executor.fetch_value("SELECT VERSION()", ()))
-        cached = state["mysql.is_mariadb"] = "mariadb" in version.lower()
+            version = str((yield Statement(VALUE, "SELECT VERSION()")))
+        cached = state[MARIADB_STATE] = "mariadb" in version.lower()
     return bool(cached)
 
 

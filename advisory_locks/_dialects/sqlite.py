@@ -29,7 +29,9 @@ from typing import IO, Any, Final
 
 import portalocker
 
-from advisory_locks.backends.base import Executor, LockedRow, Timeout
+from advisory_locks._core.contract import Timeout
+from advisory_locks._core.steps import ROWS, VALUE, Statement
+from advisory_locks._dialects.base import LockedRow, StatementSteps
 from advisory_locks.errors import UnsupportedDatabase, UnsupportedFeature
 from advisory_locks.keys import LockKey
 
@@ -60,6 +62,7 @@ class SQLiteBackend:
     """Shared and exclusive file locks next to the database file."""
 
     dialect_name = "sqlite"
+    locks_on_server = False
 
     def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
         if transaction:
@@ -67,23 +70,23 @@ class SQLiteBackend:
 
     def acquire(
         self,
-        executor: Executor,
+        state: dict[str, Any],
         key: LockKey,
         *,
         shared: bool,
         transaction: bool,
         timeout: Timeout,
         in_transaction: bool,
-    ) -> bool:
+    ) -> StatementSteps[bool]:
         self.check_options(shared=shared, transaction=transaction, timeout=timeout)
-        files = _open_files(executor)
+        files = _open_files(state)
         if (key.ints, not shared) in files:
             held, wanted = ("shared", "exclusive") if not shared else ("exclusive", "shared")
             raise UnsupportedFeature(
                 f"this connection holds {key.name!r} as a {held} lock; on SQLite it cannot "
                 f"also take it as {wanted} (the two file locks would wait for each other)"
             )
-        directory = _lock_directory(executor)
+        directory = yield from _lock_directory(state)
         handle = open(directory / _file_name(key), "a+b")  # noqa: SIM115 - kept open while held
         try:
             granted = _lock(handle, shared=shared, timeout=timeout)
@@ -99,8 +102,8 @@ class SQLiteBackend:
     def lock_identity(self, key: LockKey) -> Hashable:
         return key.ints  # the lock file is named after the key
 
-    def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
-        handle = _open_files(executor).pop((key.ints, shared), None)
+    def release(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
+        handle = _open_files(state).pop((key.ints, shared), None)
         if handle is None:
             return False
         try:
@@ -110,20 +113,20 @@ class SQLiteBackend:
         # The locks end with their connection, as a server's do; a binding that learns of a
         # close only later (Django has no signal for it) still has the files open. One
         # statement tells a closed connection (is_connection_failure: LockLost) apart.
-        executor.fetch_value("SELECT 1", ())
+        yield Statement(VALUE, "SELECT 1")
         return True
 
-    def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
-        if (key.ints, shared) not in _open_files(executor):
+    def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
+        if (key.ints, shared) not in _open_files(state):
             return False
         # The file stays locked after its SQLite connection was closed behind the
         # binding's back, but the lock ends with its connection, as a server's does: ask
         # the connection, and let go of its files at once if it is gone.
         try:
-            executor.fetch_value("SELECT 1", ())
+            yield Statement(VALUE, "SELECT 1")
         except Exception as error:
             if self.is_connection_failure(error):
-                self.connection_closed(executor.state)
+                self.connection_closed(state)
             raise
         return True
 
@@ -134,11 +137,12 @@ class SQLiteBackend:
         for handle in files.values():
             handle.close()
 
-    def inspect_server(self, executor: Executor) -> int:
+    def inspect_server(self, state: dict[str, Any]) -> StatementSteps[int]:
         # No server: the locks belong to this process.
+        yield from ()
         return os.getpid()
 
-    def list_locks(self, executor: Executor) -> list[LockedRow]:
+    def list_locks(self, state: dict[str, Any]) -> StatementSteps[list[LockedRow]]:
         raise UnsupportedFeature(
             "SQLite locks are operating-system file locks, not server state; see them "
             f"with `lsof +D <database>{LOCK_DIRECTORY_SUFFIX}` (or /proc/locks on Linux)"
@@ -158,18 +162,16 @@ class SQLiteBackend:
         return False
 
 
-def _open_files(executor: Executor) -> dict[tuple[tuple[int, ...], bool], IO[bytes]]:
-    files: dict[tuple[tuple[int, ...], bool], IO[bytes]] = executor.state.setdefault(
-        FILES_STATE, {}
-    )
+def _open_files(state: dict[str, Any]) -> dict[tuple[tuple[int, ...], bool], IO[bytes]]:
+    files: dict[tuple[tuple[int, ...], bool], IO[bytes]] = state.setdefault(FILES_STATE, {})
     return files
 
 
-def _lock_directory(executor: Executor) -> Path:
-    directory: Path | None = executor.state.get(DIRECTORY_STATE)
+def _lock_directory(state: dict[str, Any]) -> StatementSteps[Path]:
+    directory: Path | None = state.get(DIRECTORY_STATE)
     if directory is not None:
         return directory
-    database = _main_database_file(executor)
+    database = yield from _main_database_file()
     directory = lock_file_path(database, _PLACEHOLDER_KEY).parent
     directory.mkdir(exist_ok=True)
     filesystem = _network_filesystem(directory)
@@ -179,12 +181,13 @@ def _lock_directory(executor: Executor) -> Path:
             "reliably exclude other hosts; keep SQLite databases that need locks on a "
             "local disk"
         )
-    executor.state[DIRECTORY_STATE] = directory
+    state[DIRECTORY_STATE] = directory
     return directory
 
 
-def _main_database_file(executor: Executor) -> str:
-    for _sequence, schema, file in executor.fetch_rows("PRAGMA database_list"):
+def _main_database_file() -> StatementSteps[str]:
+    databases = yield Statement(ROWS, "PRAGMA database_list")
+    for _sequence, schema, file in databases:
         if schema == "main":
             if not file:
                 raise UnsupportedFeature(

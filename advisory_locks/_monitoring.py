@@ -20,8 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
-from advisory_locks.backends.base import LockedRow
-from advisory_locks.backends.mysql import server_lock_name
+from advisory_locks._dialects.base import LockedRow
+from advisory_locks._dialects.mysql import server_lock_name
 from advisory_locks.keys import INT32_MAX, INT32_MIN, KEY_SCHEMES, LockKey, LockName, derive_key
 
 __all__ = [

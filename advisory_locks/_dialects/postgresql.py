@@ -10,9 +10,11 @@ import math
 import warnings
 from collections.abc import Hashable
 from functools import cache
-from typing import Final
+from typing import Any, Final
 
-from advisory_locks.backends.base import Executor, LockedRow, Timeout
+from advisory_locks._core.contract import Timeout
+from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
+from advisory_locks._dialects.base import LockedRow, StatementSteps
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockDeadlock,
@@ -88,6 +90,7 @@ class PostgresBackend:
     """Session and transaction advisory locks, exclusive or shared, server-side waits."""
 
     dialect_name = "postgresql"
+    locks_on_server = True
 
     def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
         if timeout is not None and _timeout_ms(timeout) > MAX_TIMEOUT_MS:
@@ -98,28 +101,28 @@ class PostgresBackend:
 
     def acquire(
         self,
-        executor: Executor,
+        state: dict[str, Any],
         key: LockKey,
         *,
         shared: bool,
         transaction: bool,
         timeout: Timeout,
         in_transaction: bool,
-    ) -> bool:
+    ) -> StatementSteps[bool]:
         function = _lock_function(shared=shared, transaction=transaction)
         if timeout == 0:
             # The try_ variants never wait and never raise for a busy lock, so there is
             # nothing to protect the caller's transaction from.
-            granted = executor.fetch_value(
-                _statement("SELECT pg_try_{}({})", function, key), key.ints
+            granted = yield Statement(
+                VALUE, _statement("SELECT pg_try_{}({})", function, key), key.ints
             )
             return bool(granted)
         try:
             if in_transaction:
                 call = f"SELECT pg_{function}({_literals(key)})"
-                executor.run_script(_acquire_in_transaction_script(call, timeout))
+                yield Statement(SCRIPT, _acquire_in_transaction_script(call, timeout))
             elif timeout is None:
-                executor.fetch_value(_statement("SELECT pg_{}({})", function, key), key.ints)
+                yield Statement(VALUE, _statement("SELECT pg_{}({})", function, key), key.ints)
             else:
                 # Outside a transaction block one statement is one implicit transaction,
                 # and set_config(..., true) is local to it: the caller's lock_timeout is
@@ -129,7 +132,8 @@ class PostgresBackend:
                 # flattened into its parent, and the parent's row needs the subquery's.
                 # One parameterised statement, so drivers that prepare statements (psycopg
                 # 3 after a few uses) reuse its plan, as they do the unlock's.
-                executor.fetch_value(
+                yield Statement(
+                    VALUE,
                     _statement(TIMEOUT_LOCK_SQL, function, key),
                     (*key.ints, str(_timeout_ms(timeout))),
                 )
@@ -137,43 +141,31 @@ class PostgresBackend:
             if in_transaction and not self.is_connection_failure(error):
                 # The failed wait aborted the caller's transaction; rolling back to our
                 # savepoint makes it usable again and also undoes our SET LOCAL.
-                executor.run_script(
-                    f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; RELEASE SAVEPOINT {SAVEPOINT}"
+                yield Statement(
+                    SCRIPT, f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; RELEASE SAVEPOINT {SAVEPOINT}"
                 )
             if not transaction and sqlstate_of(error) in GRANT_MAY_SURVIVE:
-                self._give_back_late_grant(executor, key, shared=shared)
+                yield _give_back_late_grant(key, shared=shared)
             return _granted_or_raise(error, key)
         return True
-
-    def _give_back_late_grant(self, executor: Executor, key: LockKey, *, shared: bool) -> None:
-        # PostgreSQL can grant the lock in the instant lock_timeout (or a cancel) fires:
-        # the statement fails, yet the backend keeps the lock (LockErrorCleanup records
-        # the grant). A transaction lock ends with the failed (sub)transaction; a session
-        # lock would stay with a connection whose caller was told it did not get it, and
-        # go back to the pool with it. This library records no hold of this key on this
-        # connection (else it would not have asked the server), so any hold is that grant.
-        # One more round trip, only after a wait that failed.
-        sql = RELEASE_LATE_GRANT_SQL.format(
-            function="advisory_unlock_shared" if shared else "advisory_unlock",
-            placeholders=", ".join(["%s"] * len(key.ints)),
-            mode="ShareLock" if shared else "ExclusiveLock",
-        )
-        executor.fetch_value(sql, [*key.ints, *key.pg_locks_ids()])
 
     def lock_identity(self, key: LockKey) -> Hashable:
         return key.ints
 
-    def release(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+    def release(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         function = "advisory_unlock_shared" if shared else "advisory_unlock"
-        return bool(executor.fetch_value(_statement("SELECT pg_{}({})", function, key), key.ints))
+        released = yield Statement(VALUE, _statement("SELECT pg_{}({})", function, key), key.ints)
+        return bool(released)
 
-    def is_held(self, executor: Executor, key: LockKey, *, shared: bool) -> bool:
+    def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         # The mode is one of two constants, never caller text.
         sql = IS_HELD_SQL.format(mode="ShareLock" if shared else "ExclusiveLock")
-        return bool(executor.fetch_value(sql, key.pg_locks_ids()))
+        held = yield Statement(VALUE, sql, key.pg_locks_ids())
+        return bool(held)
 
-    def inspect_server(self, executor: Executor) -> int:
-        version, pid, in_recovery = executor.fetch_rows(INSPECT_SERVER_SQL)[0]
+    def inspect_server(self, state: dict[str, Any]) -> StatementSteps[int]:
+        rows = yield Statement(ROWS, INSPECT_SERVER_SQL)
+        version, pid, in_recovery = rows[0]
         for product in IMITATIONS:
             if product.lower() in str(version).lower():
                 raise UnsupportedDatabase(
@@ -191,7 +183,8 @@ class PostgresBackend:
             raise UnsupportedDatabase(f"pg_backend_pid() returned {pid!r}, not a process id")
         return pid
 
-    def list_locks(self, executor: Executor) -> list[LockedRow]:
+    def list_locks(self, state: dict[str, Any]) -> StatementSteps[list[LockedRow]]:
+        found = yield Statement(ROWS, LIST_LOCKS_SQL)
         rows = []
         for (
             pid,
@@ -206,11 +199,11 @@ class PostgresBackend:
             client,
             state,
             query,
-        ) in executor.fetch_rows(LIST_LOCKS_SQL):
+        ) in found:
             rows.append(
                 LockedRow(
-                    pid=int(pid),  # type: ignore[call-overload]
-                    key=_key_from_pg_locks(int(classid), int(objid), int(objsubid)),  # type: ignore[call-overload]
+                    pid=int(pid),
+                    key=_key_from_pg_locks(int(classid), int(objid), int(objsubid)),
                     mode="shared" if mode == "ShareLock" else "exclusive",
                     granted=bool(granted),
                     waiting_seconds=None if granted else _seconds(waiting),
@@ -247,6 +240,22 @@ def sqlstate_of(error: BaseException) -> str | None:
                 return code
         seen = getattr(seen, "orig", None) or seen.__cause__
     return None
+
+
+def _give_back_late_grant(key: LockKey, *, shared: bool) -> Statement:
+    # PostgreSQL can grant the lock in the instant lock_timeout (or a cancel) fires:
+    # the statement fails, yet the backend keeps the lock (LockErrorCleanup records
+    # the grant). A transaction lock ends with the failed (sub)transaction; a session
+    # lock would stay with a connection whose caller was told it did not get it, and
+    # go back to the pool with it. This library records no hold of this key on this
+    # connection (else it would not have asked the server), so any hold is that grant.
+    # One more round trip, only after a wait that failed.
+    sql = RELEASE_LATE_GRANT_SQL.format(
+        function="advisory_unlock_shared" if shared else "advisory_unlock",
+        placeholders=", ".join(["%s"] * len(key.ints)),
+        mode="ShareLock" if shared else "ExclusiveLock",
+    )
+    return Statement(VALUE, sql, [*key.ints, *key.pg_locks_ids()])
 
 
 def _granted_or_raise(error: Exception, key: LockKey) -> bool:

@@ -1,0 +1,2 @@
+"""The lock machinery every binding shares: the lock contract, the advisory lock, the
+per-connection state and the driver executors."""

@@ -1,0 +1,575 @@
+"""The advisory lock: the lock contract implemented on a connection-bound database lock.
+
+The rules (re-entrancy per connection, who may hold the object, what a failed wait or a
+lost connection means) are written once, as steps (``advisory_locks._core.steps``); the
+sync lock runs them with blocking calls and the async lock awaits them. A binding supplies
+the *site*: which connection a lock of each scope runs on, as a ``Borrowed`` connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from advisory_locks._core.connection import ConnectionState, Holding
+from advisory_locks._core.contract import (
+    AsyncLockContract,
+    LockContract,
+    LockOptions,
+    Timeout,
+    not_acquired_error,
+    validate_timeout,
+)
+from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
+from advisory_locks.errors import LockLost, LockNotAcquired, LockUsageError
+from advisory_locks.keys import LockKey, LockName
+
+if TYPE_CHECKING:
+    from advisory_locks._dialects.base import Backend
+
+__all__ = [
+    "AdvisoryLock",
+    "AdvisoryLockSet",
+    "AsyncAdvisoryLock",
+    "AsyncAdvisoryLockSet",
+    "Borrowed",
+    "LockSite",
+    "StepRunner",
+]
+
+logger = logging.getLogger("advisory_locks")
+
+T = TypeVar("T")
+
+# How an async lock runs its steps: SQLAlchemy's asyncio binds run them with blocking
+# calls inside SQLAlchemy's greenlet bridge, native asyncio drivers await each request.
+StepRunner = Callable[[Steps[Any]], Awaitable[Any]]
+
+
+class Borrowed(Protocol):
+    """The connection a lock runs on, lent by the binding for as long as the lock is held."""
+
+    executor: Any
+    state: ConnectionState
+    in_transaction: bool
+
+    def done(self) -> None:
+        """The lock no longer needs the connection (given back at ``settle``)."""
+
+    def broken(self, error: BaseException) -> None:
+        """The connection failed; it must never go back to a pool as if healthy."""
+
+    def settle(self) -> None:
+        """Carry out ``done``/``broken`` (blocking)."""
+
+    async def asettle(self) -> None:
+        """Carry out ``done``/``broken`` (awaiting)."""
+
+
+class LockSite(Protocol):
+    """Where locks for one bind live (made by a binding)."""
+
+    backend: Backend
+
+    def held_names(self) -> list[LockName]:
+        """Names this library holds through this bind."""
+
+
+class AdvisoryLock(LockContract):
+    """A named database lock, made by [`advisory_lock`][advisory_locks.advisory_lock].
+
+    A context manager (``with`` acquires, raising ``LockNotAcquired`` / ``LockTimeout``
+    when busy, and releases at the end, also on an exception) and an explicit
+    ``acquire()`` / ``release()`` pair. Do not construct it directly.
+    """
+
+    __slots__ = ("_borrowed", "_count", "_holding", "_owner", "_site", "key_info", "options")
+
+    def __init__(self, site: Any, key: LockKey, options: LockOptions) -> None:
+        site.backend.check_options(
+            shared=options.shared, transaction=options.transaction, timeout=options.timeout
+        )
+        self._site = site
+        self.key_info = key
+        self.options = options
+        self._count = 0
+        self._owner: tuple[int, int] | None = None
+        self._borrowed: Borrowed | None = None
+        self._holding: Holding | None = None
+
+    # -- the contract ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> LockName:
+        """The name this lock was made with."""
+        return self.key_info.name
+
+    @property
+    def key(self) -> int | tuple[int, int]:
+        """The key(s) sent to the server."""
+        return self.key_info.value
+
+    @property
+    def timeout(self) -> Timeout:
+        return self.options.timeout
+
+    @property
+    def shared(self) -> bool:
+        return self.options.shared
+
+    @property
+    def transaction(self) -> bool:
+        return self.options.transaction
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock (a transaction lock until its transaction ends)."""
+        holding = self._holding
+        return (
+            self._count > 0
+            and holding is not None
+            and holding.active
+            and self._borrowed is not None
+            and not self._borrowed.state.inherited
+        )
+
+    def acquire(self) -> bool:
+        """Take the lock; False when it stayed busy for the whole timeout."""
+        return run_steps(self.acquire_steps(), self._site)
+
+    def release(self) -> None:
+        """Give the lock back (a transaction lock stays with its transaction)."""
+        run_steps(self.release_steps(), self._site)
+
+    def ensure_held(self) -> None:
+        """Ask the server whether it still holds this lock; raise LockLost if not.
+
+        One round trip on the lock's own connection, so call it at safe points of the
+        block (before an irreversible step), never from another thread.
+        """
+        run_steps(self.ensure_held_steps(), self._site)
+
+    def _not_acquired(self) -> LockNotAcquired:
+        return not_acquired_error(self.name, self.options.timeout)
+
+    # -- the rules, as steps --------------------------------------------------------------
+
+    def acquire_steps(self) -> Steps[bool]:
+        self._claim()
+        holding = self._holding
+        if self._count and holding is not None and holding.active:
+            self._count += 1
+            holding.count += 1
+            return True
+        self._count = 0
+        try:
+            return (yield from self._acquire_once())
+        finally:
+            if not self._count:
+                self._owner = None
+
+    def _claim(self) -> None:
+        # A lock object's own count stands for one holder. Shared by two threads (a
+        # module-level lock used like threading.Lock) or two asyncio tasks, the second
+        # would count itself in without any lock on its own connection: refuse instead.
+        owner = _current_owner()
+        with _CLAIMS:
+            if self._owner is not None and self._owner != owner:
+                raise LockUsageError(
+                    f"lock object {self.name!r} is held by another thread or task; make "
+                    "one lock object per use (call advisory_lock(...) where the lock is "
+                    "needed)"
+                )
+            self._owner = owner
+
+    def _not_held(self) -> LockUsageError:
+        message = f"lock {self.name!r} is not held by this lock object"
+        held_elsewhere = getattr(self._site, "holds_anywhere", None)
+        if callable(held_elsewhere) and held_elsewhere(self.key_info):
+            return LockUsageError(
+                f"{message}: this process holds it through another lock object (another "
+                "thread's or connection's); release it through the object that acquired it"
+            )
+        return LockUsageError(f"{message}: acquire() it first (or it was already released)")
+
+    def _acquire_once(self) -> Steps[bool]:
+        options = self.options
+        borrowed: Borrowed = yield Borrow(options.transaction)
+        state = borrowed.state
+        holding = state.find(self.key_info, shared=options.shared, transaction=options.transaction)
+        if holding is None:
+            backend = self._site.backend
+            try:
+                granted = yield from on(
+                    borrowed.executor,
+                    backend.acquire(
+                        state.driver_state,
+                        self.key_info,
+                        shared=options.shared,
+                        transaction=options.transaction,
+                        timeout=options.timeout,
+                        in_transaction=borrowed.in_transaction,
+                    ),
+                )
+            except BaseException as error:
+                # An interrupted wait (task cancelled, KeyboardInterrupt) leaves the
+                # server's answer unknown: asyncpg, for one, stops listening while the
+                # server may still grant the lock. Only discarding the connection ensures
+                # no one inherits it.
+                if not isinstance(error, Exception) or backend.is_connection_failure(error):
+                    borrowed.broken(error)
+                else:
+                    borrowed.done()
+                yield Settle(borrowed)
+                raise
+            if not granted:
+                borrowed.done()
+                yield Settle(borrowed)
+                return False
+            holding = state.add(
+                self.key_info, shared=options.shared, transaction=options.transaction
+            )
+        holding.count += 1
+        self._count = 1
+        self._borrowed = borrowed
+        self._holding = holding
+        return True
+
+    def release_steps(self) -> Steps[None]:
+        holding, borrowed = self._holding, self._borrowed
+        if not self._count or holding is None or borrowed is None:
+            raise self._not_held()
+        self._count -= 1
+        holding.count -= 1
+        if self._count:
+            return
+        self._holding = self._borrowed = None
+        self._owner = None
+        if holding.count > 0 or holding.transaction or borrowed.state.inherited:
+            # Another holder on this connection still counts on it; a transaction lock
+            # is freed by the server when its transaction ends (until then taking it again
+            # on this connection is free, so the holding stays registered); and a forked
+            # child never gives back its parent's lock.
+            borrowed.done()
+            yield Settle(borrowed)
+            return
+        if not holding.active:
+            borrowed.done()
+            yield Settle(borrowed)
+            raise LockLost(
+                f"advisory lock {self.name!r} was released before its block ended "
+                "(its connection was returned to the pool or closed)",
+                name=self.name,
+            )
+        yield from self._unlock(holding, borrowed)
+
+    def _unlock(self, holding: Holding, borrowed: Borrowed) -> Steps[None]:
+        backend = self._site.backend
+        state = borrowed.state
+        try:
+            released = yield from on(
+                borrowed.executor,
+                backend.release(state.driver_state, self.key_info, shared=self.options.shared),
+            )
+        except Exception as error:
+            if backend.is_failed_transaction(error):
+                # The caller's transaction failed inside the block; the server rejects
+                # every statement until it ends, and session locks survive its rollback.
+                state.forget(holding)
+                state.pending_release.append(holding)
+                borrowed.done()
+                yield Settle(borrowed)
+                logger.debug("release of %r deferred to the end of the transaction", self.name)
+                return
+            state.forget(holding)
+            if backend.is_connection_failure(error):
+                borrowed.broken(error)
+                yield Settle(borrowed)
+                raise LockLost(
+                    f"advisory lock {self.name!r} was lost: its connection failed ({error})",
+                    name=self.name,
+                ) from error
+            borrowed.done()
+            yield Settle(borrowed)
+            raise
+        state.forget(holding)
+        borrowed.done()
+        yield Settle(borrowed)
+        if not released:
+            raise LockLost(
+                f"the server did not hold advisory lock {self.name!r} at release",
+                name=self.name,
+            )
+
+    def ensure_held_steps(self) -> Steps[None]:
+        holding, borrowed = self._holding, self._borrowed
+        if not self._count or holding is None or borrowed is None:
+            raise self._not_held()
+        state = borrowed.state
+        if state.inherited:
+            raise LockLost(
+                f"advisory lock {self.name!r} belongs to the process that took it (pid "
+                f"{state.pid}), not to this forked child",
+                name=self.name,
+            )
+        if not holding.active:
+            reason = (
+                "its transaction ended"
+                if holding.transaction
+                else "its connection was returned to the pool or closed"
+            )
+            raise LockLost(
+                f"advisory lock {self.name!r} is no longer held: {reason}", name=self.name
+            )
+        backend = self._site.backend
+        try:
+            held = yield from on(
+                borrowed.executor,
+                backend.is_held(state.driver_state, self.key_info, shared=self.options.shared),
+            )
+        except Exception as error:
+            if not backend.is_connection_failure(error):
+                raise
+            state.forget(holding)
+            borrowed.broken(error)
+            yield Settle(borrowed)
+            raise LockLost(
+                f"advisory lock {self.name!r} was lost: its connection failed ({error})",
+                name=self.name,
+            ) from error
+        if not held:
+            # Someone unlocked it on our connection (pg_advisory_unlock_all(), DISCARD ALL):
+            # the block must not go on believing it is protected.
+            state.forget(holding)
+            raise LockLost(
+                f"the server no longer holds advisory lock {self.name!r}", name=self.name
+            )
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "not held"
+        return f"<AdvisoryLock {self.name!r} key={self.key!r} {state}>"
+
+
+class AsyncAdvisoryLock(AsyncLockContract):
+    """The awaitable twin of [`AdvisoryLock`][advisory_locks.AdvisoryLock], for asyncio
+    binds: ``async with``, ``await acquire()``, ``await release()``."""
+
+    __slots__ = ("_lock", "_run")
+
+    def __init__(self, lock: AdvisoryLock, run: StepRunner) -> None:
+        self._lock = lock
+        self._run = run
+
+    @property
+    def name(self) -> LockName:
+        return self._lock.name
+
+    @property
+    def key(self) -> int | tuple[int, int]:
+        return self._lock.key
+
+    @property
+    def held(self) -> bool:
+        return self._lock.held
+
+    async def acquire(self) -> bool:
+        """Take the lock; False when it stayed busy for the whole timeout."""
+        granted: bool = await self._run(self._lock.acquire_steps())
+        return granted
+
+    async def release(self) -> None:
+        """Give the lock back (a transaction lock stays with its transaction)."""
+        await self._run(self._lock.release_steps())
+
+    async def ensure_held(self) -> None:
+        """Ask the server whether it still holds this lock; raise LockLost if not."""
+        await self._run(self._lock.ensure_held_steps())
+
+    def _not_acquired(self) -> LockNotAcquired:
+        return self._lock._not_acquired()
+
+    def __repr__(self) -> str:
+        return "<Async" + repr(self._lock)[1:]
+
+
+class AdvisoryLockSet:
+    """Several locks taken in one canonical order (by key) and given back together.
+
+    Two holders that take overlapping sets through this class queue behind each other
+    instead of deadlocking, whatever order their names were listed in: both ask for the
+    lowest key first. A ``timeout`` bounds the whole acquisition, not each lock.
+    """
+
+    __slots__ = ("_refused", "_site", "_taken", "locks", "timeout")
+
+    def __init__(
+        self, site: Any, locks: Iterable[AdvisoryLock], *, timeout: Timeout = None
+    ) -> None:
+        self.timeout = validate_timeout(timeout)
+        self._site = site
+        unique: dict[tuple[int, tuple[int, ...]], AdvisoryLock] = {}
+        for lock in locks:
+            ints = lock.key_info.ints
+            unique.setdefault((len(ints), ints), lock)
+        self.locks: tuple[AdvisoryLock, ...] = tuple(unique[order] for order in sorted(unique))
+        self._taken: list[AdvisoryLock] = []
+        self._refused: AdvisoryLock | None = None
+
+    @property
+    def names(self) -> list[LockName]:
+        """The names in the order they are taken."""
+        return [lock.name for lock in self.locks]
+
+    @property
+    def held(self) -> bool:
+        return bool(self._taken) and all(lock.held for lock in self._taken)
+
+    def acquire(self) -> bool:
+        """Take every lock in key order; False (holding none) when one stayed busy."""
+        return run_steps(self.acquire_steps(), self._site)
+
+    def release(self) -> None:
+        """Give every lock back, newest first; the first failure is raised after all ran."""
+        run_steps(self.release_steps(), self._site)
+
+    def ensure_held(self) -> None:
+        """[AdvisoryLock.ensure_held][advisory_locks.AdvisoryLock.ensure_held] for every lock of
+        the set."""
+        run_steps(self.ensure_held_steps(), self._site)
+
+    def acquire_steps(self) -> Steps[bool]:
+        if self._taken:
+            raise LockUsageError("this lock set is already held; release it first")
+        deadline = None if not self.timeout else time.monotonic() + self.timeout
+        taken: list[AdvisoryLock] = []
+        try:
+            for lock in self.locks:
+                if deadline is not None:
+                    # Zero left means "try once", which is still an answer, not a hang.
+                    remaining = max(0.0, deadline - time.monotonic())
+                    lock.options = LockOptions(
+                        timeout=remaining,
+                        shared=lock.options.shared,
+                        transaction=lock.options.transaction,
+                    )
+                if not (yield from lock.acquire_steps()):
+                    self._refused = lock
+                    yield from _release_all(taken)
+                    return False
+                taken.append(lock)
+        except BaseException:
+            yield from _release_all(taken, quietly=True)
+            raise
+        self._taken = taken
+        self._refused = None
+        return bool(taken) or not self.locks
+
+    def release_steps(self) -> Steps[None]:
+        if not self._taken and self.locks:
+            raise LockUsageError("this lock set is not held")
+        taken, self._taken = self._taken, []
+        yield from _release_all(taken)
+
+    def ensure_held_steps(self) -> Steps[None]:
+        for lock in self._taken:
+            yield from lock.ensure_held_steps()
+
+    def _not_acquired(self) -> LockNotAcquired:
+        assert self._refused is not None
+        return not_acquired_error(self._refused.name, self.timeout)
+
+    def __enter__(self) -> AdvisoryLockSet:
+        if not self.acquire():
+            raise self._not_acquired()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            self.release()
+        except LockLost:
+            if not isinstance(exc, LockLost):
+                raise
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "not held"
+        return f"<AdvisoryLockSet {self.names!r} {state}>"
+
+
+class AsyncAdvisoryLockSet:
+    """The awaitable twin of [AdvisoryLockSet][advisory_locks.AdvisoryLockSet]."""
+
+    __slots__ = ("_run", "_set")
+
+    def __init__(self, lock_set: AdvisoryLockSet, run: StepRunner) -> None:
+        self._set = lock_set
+        self._run = run
+
+    @property
+    def names(self) -> list[LockName]:
+        return self._set.names
+
+    @property
+    def held(self) -> bool:
+        return self._set.held
+
+    async def acquire(self) -> bool:
+        granted: bool = await self._run(self._set.acquire_steps())
+        return granted
+
+    async def release(self) -> None:
+        await self._run(self._set.release_steps())
+
+    async def ensure_held(self) -> None:
+        await self._run(self._set.ensure_held_steps())
+
+    async def __aenter__(self) -> AsyncAdvisoryLockSet:
+        if not await self.acquire():
+            raise self._set._not_acquired()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            await self.release()
+        except LockLost:
+            if not isinstance(exc, LockLost):
+                raise
+
+    def __repr__(self) -> str:
+        return "<Async" + repr(self._set)[1:]
+
+
+def _release_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> Steps[None]:
+    first_error: BaseException | None = None
+    for lock in reversed(locks):
+        try:
+            yield from lock.release_steps()
+        except Exception as error:
+            logger.debug("releasing %r from a lock set failed: %s", lock.name, error)
+            first_error = first_error or error
+    if first_error is not None and not quietly:
+        raise first_error
+
+
+_CLAIMS = threading.Lock()
+
+
+def _current_owner() -> tuple[int, int]:
+    """The thread, and the asyncio task within it (0 outside one), asking for a lock."""
+    loop = asyncio._get_running_loop()
+    task = None if loop is None else asyncio.current_task(loop)
+    return threading.get_ident(), 0 if task is None else id(task)

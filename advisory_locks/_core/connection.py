@@ -1,0 +1,244 @@
+"""What one driver connection holds, and the machinery every binding needs for it.
+
+Holdings are counted per connection (per SQLAlchemy Session for session locks taken
+through a Session), never per thread or per lock object: two threads or tasks sharing one
+connection would otherwise both believe they own the lock.
+
+A binding keeps one ``ConnectionState`` per driver connection, for exactly as long as
+that connection lives (SQLAlchemy: in the pool entry's ``info``; Django: on the
+``DatabaseWrapper`` beside the DB-API connection it describes; raw drivers: keyed by the
+connection object). The rules that do not depend on the binding live here, once: the
+server check (imitations, poolers), postponed unlocks, and forgetting a connection that is
+gone.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from advisory_locks._core.executors import protocol_session_id
+from advisory_locks._core.steps import Steps, on
+from advisory_locks.errors import UnsupportedFeature
+from advisory_locks.keys import LockKey, LockName
+
+if TYPE_CHECKING:
+    from advisory_locks._dialects.base import Backend
+
+__all__ = ["ConnectionState", "Holding", "PoolerMode", "check_server", "finish_pending_releases"]
+
+HoldingKey = tuple[Hashable, bool, bool]
+
+POOLER_MODES: Final = ("transaction", "session", "none")
+PoolerMode = str
+
+TRANSACTION_POOLING: Final = (
+    "A transaction pooler (PgBouncer pool_mode=transaction) may run each transaction on "
+    "another server connection, leaving a session lock behind on one that other clients "
+    "then use: take the lock with transaction=True inside a transaction instead."
+)
+
+
+@dataclass(eq=False, slots=True)
+class Holding:
+    """One lock the server holds for a connection, however many times it was taken."""
+
+    key: LockKey
+    shared: bool
+    transaction: bool
+    count: int = 0
+    # Savepoint depth at which a transaction lock was taken: rolling back a savepoint
+    # at or above it makes PostgreSQL release the lock.
+    depth: int = 0
+    active: bool = True
+
+
+@dataclass(eq=False)
+class ConnectionState:
+    """Locks taken through this library on one driver connection, and what is known of it."""
+
+    holdings: dict[HoldingKey, Holding] = field(default_factory=dict)
+    savepoints: list[str] = field(default_factory=list)
+    # Session locks whose unlock could not run because the caller's transaction had
+    # failed; they are released as soon as that transaction ends.
+    pending_release: list[Holding] = field(default_factory=list)
+    mutex: threading.RLock = field(default_factory=threading.RLock)
+    # The backend that took them, so a pool guard can give them back.
+    backend: Backend | None = None
+    # Lives exactly as long as the driver connection: backends keep their per-connection
+    # cache here (SQLite's open lock files, whether the server is MariaDB).
+    driver_state: dict[str, Any] = field(default_factory=dict)
+    # Whether statements reach another server session than the driver connected to (a
+    # pooler or proxy in between); None until the server was asked.
+    behind_proxy: bool | None = None
+    # The process that made this state. A forked child inherits the connection's socket
+    # or file descriptors, but not the locks: those stay the parent's.
+    pid: int = field(default_factory=os.getpid)
+
+    @property
+    def inherited(self) -> bool:
+        """Whether this process is a fork of the one that took these locks."""
+        return self.pid != os.getpid()
+
+    def find(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding | None:
+        holding = self.holdings.get(self._entry(key, shared, transaction))
+        return holding if holding is not None and holding.active else None
+
+    def add(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding:
+        with self.mutex:
+            holding = Holding(key, shared, transaction, depth=len(self.savepoints))
+            self.holdings[self._entry(key, shared, transaction)] = holding
+            return holding
+
+    def forget(self, holding: Holding) -> None:
+        with self.mutex:
+            holding.active = False
+            entry_key = self._entry(holding.key, holding.shared, holding.transaction)
+            if self.holdings.get(entry_key) is holding:
+                del self.holdings[entry_key]
+
+    def _entry(self, key: LockKey, shared: bool, transaction: bool) -> HoldingKey:
+        # What the server locks on decides which holdings are one lock: the integer key
+        # on PostgreSQL, the GET_LOCK name on MySQL (two names whose keys collide are two
+        # locks there).
+        identity = key.ints if self.backend is None else self.backend.lock_identity(key)
+        return identity, shared, transaction
+
+    def session_holdings(self) -> list[Holding]:
+        return [h for h in self.holdings.values() if not h.transaction] + self.pending_release
+
+    def names(self) -> list[LockName]:
+        return [h.key.name for h in self.holdings.values() if h.active]
+
+    def transaction_ended(self) -> None:
+        """The server released every transaction lock; forget them."""
+        with self.mutex:
+            self.savepoints.clear()
+            for holding in [h for h in self.holdings.values() if h.transaction]:
+                self.forget(holding)
+
+    def savepoint_started(self, name: str) -> None:
+        with self.mutex:
+            self.savepoints.append(name)
+
+    def savepoint_rolled_back(self, name: str) -> None:
+        with self.mutex:
+            depth = self._truncate_savepoints(name)
+            if depth is None:
+                return
+            for holding in [h for h in self.holdings.values() if h.transaction]:
+                if holding.depth > depth:
+                    self.forget(holding)
+
+    def savepoint_released(self, name: str) -> None:
+        with self.mutex:
+            depth = self._truncate_savepoints(name)
+            if depth is None:
+                return
+            # Locks taken inside a released savepoint now belong to its parent.
+            for holding in self.holdings.values():
+                if holding.transaction and holding.depth > depth:
+                    holding.depth = depth
+
+    def _truncate_savepoints(self, name: str) -> int | None:
+        for depth in range(len(self.savepoints) - 1, -1, -1):
+            if self.savepoints[depth] == name:
+                del self.savepoints[depth:]
+                return depth
+        return None
+
+    def connection_gone(self) -> list[Holding]:
+        """The driver connection closed or was discarded: the server let go of its locks.
+
+        Forget them all (so a release reports LockLost instead of reaching for a
+        connection that is gone), let a backend that holds locks in this process (SQLite's
+        files) free them now, and return what was held.
+        """
+        with self.mutex:
+            gone = [*self.holdings.values(), *self.pending_release]
+            for holding in gone:
+                self.forget(holding)
+            self.pending_release.clear()
+            self.savepoints.clear()
+        backend: object = self.backend
+        closed = getattr(backend, "connection_closed", None)
+        if callable(closed) and not self.inherited:
+            closed(self.driver_state)
+        return gone
+
+
+def check_server(
+    state: ConnectionState,
+    executor: object,
+    driver_connection: Any,
+    *,
+    pooler: object,
+    session_lock: bool,
+    declare_pooler: str,
+    transaction_pooler_declared: str = "it is declared to be behind a transaction pooler",
+) -> Steps[None]:
+    """Refuse servers that only imitate advisory locks, and session locks through a
+    pooler or proxy that is not declared; the server is asked once per connection.
+
+    ``pooler`` is what the application declared ("transaction", "session", "none" or
+    None); ``declare_pooler`` says how to declare one with this binding, and
+    ``transaction_pooler_declared`` where the application declared a transaction pooler.
+    """
+    if pooler is not None and pooler not in POOLER_MODES:
+        raise ValueError(f"the pooler declaration must be one of {POOLER_MODES}, not {pooler!r}")
+    if session_lock and pooler == "transaction":
+        raise UnsupportedFeature(
+            f"session advisory locks are refused: {transaction_pooler_declared}. "
+            f"{TRANSACTION_POOLING}"
+        )
+    if state.behind_proxy is None:
+        assert state.backend is not None
+        server_id = yield from on(executor, state.backend.inspect_server(state.driver_state))
+        client_id = protocol_session_id(driver_connection)
+        state.behind_proxy = client_id is not None and client_id != server_id
+    if session_lock and state.behind_proxy and pooler is None:
+        raise UnsupportedFeature(
+            "session advisory locks are refused on this connection: it reaches the server "
+            "through a pooler or proxy (the server process id the driver was told at "
+            f"connect is not the one its statements run in). {TRANSACTION_POOLING} If the "
+            f"pooler pins each client to one server connection (pool_mode=session), declare "
+            f"it: {declare_pooler}"
+        )
+
+
+def finish_pending_releases(state: ConnectionState, executor: object) -> Steps[list[Holding]]:
+    """Unlock the session locks whose release waited for a failed transaction to end.
+
+    Run once that transaction has ended; taking one of these names again first would
+    stack on the server, and the later unlock would leave it held.
+    """
+    holdings = list(state.pending_release)
+    state.pending_release.clear()
+    backend = state.backend
+    if backend is None or state.inherited:
+        return []
+    for holding in holdings:
+        yield from on(
+            executor, backend.release(state.driver_state, holding.key, shared=holding.shared)
+        )
+    return holdings
+
+
+def release_session_locks(state: ConnectionState, executor: object) -> Steps[list[Holding]]:
+    """Unlock every session lock still recorded on a connection that is about to be reused
+    by someone else (each was taken once on the server); return them."""
+    holdings = state.session_holdings()
+    state.pending_release.clear()
+    for holding in holdings:
+        state.forget(holding)
+    backend = state.backend
+    if backend is None or state.inherited:
+        return holdings
+    for holding in holdings:
+        yield from on(
+            executor, backend.release(state.driver_state, holding.key, shared=holding.shared)
+        )
+    return holdings

@@ -1,0 +1,206 @@
+"""The lock contract: what every lock object of this library is and does.
+
+An advisory lock and (later) a lease lock are different mechanisms behind one surface:
+``name``, ``held``, ``acquire() -> bool``, ``release()``, ``ensure_held()``, and a
+context manager that raises ``LockNotAcquired`` when the lock stays busy and releases
+at the end of the block, also on an exception. The enter/exit rules are written here,
+once; a mechanism implements the three methods. The options every lock takes are one
+typed structure, validated once, before any SQL.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeAlias
+
+from advisory_locks.errors import LockLost, LockNotAcquired, LockTimeout, LockUsageError
+from advisory_locks.keys import LockName
+
+__all__ = [
+    "AsyncLockContract",
+    "LockContract",
+    "LockOptions",
+    "Timeout",
+    "not_acquired_error",
+    "validate_flags",
+    "validate_timeout",
+]
+
+Timeout: TypeAlias = float | None
+
+
+@dataclass(frozen=True, slots=True)
+class LockOptions:
+    """How a lock is taken, the same for every binding (validated on construction)."""
+
+    timeout: Timeout = None
+    shared: bool = False
+    transaction: bool = False
+
+    def __post_init__(self) -> None:
+        validate_flags(shared=self.shared, transaction=self.transaction)
+        object.__setattr__(self, "timeout", validate_timeout(self.timeout))
+
+
+def validate_flags(*, shared: object, transaction: object) -> None:
+    """``shared`` and ``transaction`` must be real bools: ``"no"`` is truthy."""
+    for option, value in (("shared", shared), ("transaction", transaction)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{option} must be True or False, not {type(value).__name__}")
+
+
+def validate_timeout(timeout: object) -> Timeout:
+    """None, or finite seconds >= 0; raise TypeError/ValueError otherwise."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"timeout must be None or a number of seconds, not {type(timeout).__name__}"
+        )
+    seconds = float(timeout)
+    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
+        raise ValueError(
+            f"timeout must be None (wait forever), 0 (do not wait) or finite seconds > 0, "
+            f"not {timeout!r}"
+        )
+    return seconds
+
+
+def not_acquired_error(name: LockName, timeout: Timeout) -> LockNotAcquired:
+    """The error for a lock that stayed busy: LockTimeout whenever a wait ran out.
+
+    With ``timeout=None`` the library sets no limit, so a refusal means the connection's
+    own ``lock_timeout`` ended the wait: a timeout all the same.
+    """
+    if timeout == 0:
+        return LockNotAcquired(f"lock {name!r} is held elsewhere", name=name)
+    if timeout is None:
+        return LockTimeout(
+            f"lock {name!r} was not granted before the connection's own lock_timeout ran out",
+            name=name,
+        )
+    return LockTimeout(f"lock {name!r} was not granted within {timeout} s", name=name)
+
+
+def reported_inside(exc: BaseException | None, name: object) -> bool:
+    """Whether the block already raised this lock's loss (``ensure_held()``): a second
+    LockLost from the release would only bury the first under "during handling ..."."""
+    return isinstance(exc, LockLost) and exc.name == name
+
+
+class LockContract(abc.ABC):
+    """A lock for blocking code: ``with lock:`` or ``acquire()`` / ``release()``."""
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> LockName:
+        """The name this lock was made with."""
+
+    @property
+    @abc.abstractmethod
+    def held(self) -> bool:
+        """Whether this object holds the lock now."""
+
+    @abc.abstractmethod
+    def acquire(self) -> bool:
+        """Take the lock; False when it stayed busy for the whole timeout."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Give the lock back; LockLost if it turned out to be lost meanwhile."""
+
+    @abc.abstractmethod
+    def ensure_held(self) -> None:
+        """Raise LockLost unless the database still holds this lock for us."""
+
+    @abc.abstractmethod
+    def _not_acquired(self) -> LockNotAcquired:
+        """The error ``with`` raises when ``acquire()`` returned False."""
+
+    def __enter__(self) -> Any:
+        if not self.acquire():
+            raise self._not_acquired()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            self.release()
+        except LockLost:
+            if not reported_inside(exc, self.name):
+                raise
+
+    async def __aenter__(self) -> Any:
+        raise LockUsageError(
+            f"{type(self).__name__} is for blocking code: use `with`, not `async with` "
+            "(an async bind gives an async lock)"
+        )
+
+    async def __aexit__(self, *exc_info: object) -> None:  # pragma: no cover - never entered
+        return None
+
+
+class AsyncLockContract(abc.ABC):
+    """A lock for asyncio code: ``async with lock:`` or ``await acquire()`` / ``release()``."""
+
+    __slots__ = ()
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> LockName:
+        """The name this lock was made with."""
+
+    @property
+    @abc.abstractmethod
+    def held(self) -> bool:
+        """Whether this object holds the lock now."""
+
+    @abc.abstractmethod
+    async def acquire(self) -> bool:
+        """Take the lock; False when it stayed busy for the whole timeout."""
+
+    @abc.abstractmethod
+    async def release(self) -> None:
+        """Give the lock back; LockLost if it turned out to be lost meanwhile."""
+
+    @abc.abstractmethod
+    async def ensure_held(self) -> None:
+        """Raise LockLost unless the database still holds this lock for us."""
+
+    @abc.abstractmethod
+    def _not_acquired(self) -> LockNotAcquired:
+        """The error ``async with`` raises when ``acquire()`` returned False."""
+
+    async def __aenter__(self) -> Any:
+        if not await self.acquire():
+            raise self._not_acquired()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            await self.release()
+        except LockLost:
+            if not reported_inside(exc, self.name):
+                raise
+
+    def __enter__(self) -> Any:
+        raise LockUsageError(
+            f"{type(self).__name__} belongs to an async bind: use `async with`, not `with`"
+        )
+
+    def __exit__(self, *exc_info: object) -> None:  # pragma: no cover - never entered
+        return None

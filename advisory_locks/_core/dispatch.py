@@ -1,0 +1,278 @@
+"""``advisory_lock(bind, ...)``: find the binding for ``bind`` and let it make the lock.
+
+The core imports no ORM and no driver. A binding registers the classes of the binds it
+understands; the first time a bind of an unregistered class arrives, the binding for the
+package that class comes from is imported (which registers it), so ``import
+advisory_locks`` stays cheap and installs nothing in a program that never locks through
+SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Final, Protocol, overload
+
+from advisory_locks._core.contract import LockOptions, Timeout
+from advisory_locks.keys import LockKey, LockName, derive_key
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection, Engine
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+    from sqlalchemy.orm import Session
+
+    from advisory_locks._core.advisory import (
+        AdvisoryLock,
+        AdvisoryLockSet,
+        AsyncAdvisoryLock,
+        AsyncAdvisoryLockSet,
+    )
+
+__all__ = [
+    "Binding",
+    "advisory_lock",
+    "advisory_lock_set",
+    "binding_for",
+    "current_advisory_locks",
+    "register_binding",
+]
+
+# The binding modules to import for a bind whose class comes from this top-level package.
+BINDING_MODULES: Final[dict[str, tuple[str, ...]]] = {
+    "sqlalchemy": ("advisory_locks._bindings.sqlalchemy",),
+    "psycopg": ("advisory_locks._bindings.psycopg",),
+    "psycopg_pool": ("advisory_locks._bindings.psycopg",),
+    "psycopg2": ("advisory_locks._bindings.psycopg2",),
+    "asyncpg": ("advisory_locks._bindings.asyncpg",),
+    "pymysql": ("advisory_locks._bindings.mysql",),
+    "MySQLdb": ("advisory_locks._bindings.mysql",),
+    "sqlite3": ("advisory_locks._bindings.sqlite3",),
+}
+
+
+class Binding(Protocol):
+    """What a binding offers the core for the binds it registered."""
+
+    def lock(self, bind: Any, key: LockKey, options: LockOptions) -> Any:
+        """An ``AdvisoryLock`` (or ``AsyncAdvisoryLock`` for an async bind)."""
+
+    def lock_set(
+        self, bind: Any, keys: list[LockKey], options: LockOptions, timeout: Timeout
+    ) -> Any:
+        """An ``AdvisoryLockSet`` (or its async twin) taking ``keys`` in key order."""
+
+    def held_names(self, bind: Any) -> list[LockName]:
+        """Names this library holds through ``bind`` in this process."""
+
+
+_bindings: dict[type, Binding] = {}
+_first_use = threading.RLock()
+
+
+def register_binding(types: Iterable[type], binding: Binding) -> None:
+    """Make ``binding`` the one for binds of ``types`` (and their subclasses)."""
+    with _first_use:
+        for cls in types:
+            _bindings[cls] = binding
+
+
+def binding_for(bind: object) -> Binding:
+    """The binding for ``bind``; TypeError when no binding understands it."""
+    cls = type(bind)
+    binding = _bindings.get(cls)
+    if binding is not None:
+        return binding
+    binding = _registered_for(cls)
+    if binding is None:
+        modules = BINDING_MODULES.get(cls.__module__.partition(".")[0], ())
+        with _first_use:
+            # Importing registers; one thread at a time, so no thread sees a module that
+            # another is still importing.
+            for module in modules:
+                try:
+                    importlib.import_module(module)
+                except ModuleNotFoundError as error:
+                    if error.name != module:
+                        raise
+        binding = _registered_for(cls)
+    if binding is None:
+        raise TypeError(
+            "bind must be a SQLAlchemy Session, Connection or Engine (or an async one), a "
+            "psycopg / psycopg2 / asyncpg / PyMySQL / mysqlclient / sqlite3 connection, or "
+            f"a psycopg_pool or asyncpg pool; not {cls.__module__}.{cls.__qualname__}"
+        )
+    _bindings[cls] = binding
+    return binding
+
+
+def _registered_for(cls: type) -> Binding | None:
+    for base in cls.__mro__:
+        binding = _bindings.get(base)
+        if binding is not None:
+            return binding
+    return None
+
+
+@overload
+def advisory_lock(
+    bind: Session | Connection | Engine,
+    name: LockName,
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AdvisoryLock: ...
+
+
+@overload
+def advisory_lock(
+    bind: AsyncSession | AsyncConnection | AsyncEngine,
+    name: LockName,
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AsyncAdvisoryLock: ...
+
+
+@overload
+def advisory_lock(
+    bind: object,
+    name: LockName,
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AdvisoryLock | AsyncAdvisoryLock: ...
+
+
+def advisory_lock(
+    bind: object,
+    name: LockName,
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AdvisoryLock | AsyncAdvisoryLock:
+    """A named lock held by the database behind ``bind``.
+
+    Use it as ``with advisory_lock(...)`` (``async with`` for an async bind), or call
+    ``acquire()`` / ``release()``. Nothing is sent to the server until it is acquired.
+
+    :param bind: where the lock lives. A SQLAlchemy ``Session``, ``Connection`` or ``Engine``
+        (or their asyncio versions); a psycopg 3 ``Connection`` / ``AsyncConnection``
+        or ``psycopg_pool`` pool; an asyncpg ``Connection`` or ``Pool``; a psycopg2,
+        PyMySQL, mysqlclient or ``sqlite3`` connection. A pool or Engine lends each
+        lock its own connection until the lock is released.
+    :param name: a non-empty ``str`` (hashed to a key by ``key_scheme``), an ``int`` (a signed
+        64-bit key, used as is) or an ``(int, int)`` pair (two signed 32-bit keys).
+    :param timeout: ``None`` waits until granted, ``0`` tries once and never waits, ``t > 0``
+        lets the server wait at most ``t`` seconds.
+    :param shared: take a shared (reader) lock instead of an exclusive one (PostgreSQL and
+        SQLite; elsewhere ``UnsupportedFeature``).
+    :param transaction: hold the lock until the surrounding transaction ends (PostgreSQL);
+        refused where there is no transaction (an ``Engine``, a pool, an autocommit
+        connection).
+    :param key_scheme: how a ``str`` name becomes a key: ``"sha256"`` (default), ``"pglock"``,
+        ``"rails"``, ``"hashtext"``, or a callable ``name -> int | (int, int)``;
+        default ``$ADVISORY_LOCKS_KEY_SCHEME``.
+    :param key_prefix: a namespace for ``str`` names; default ``$ADVISORY_LOCKS_PREFIX``.
+
+    :returns: An ``AdvisoryLock``, or an ``AsyncAdvisoryLock`` for an async bind.
+
+    :raises TypeError: a name, bind or flag of the wrong type, before any SQL.
+    :raises ValueError: an empty name, an out-of-range key or a negative timeout.
+    :raises UnsupportedFeature: ``transaction=True`` without a transaction, or a mode the
+        database cannot provide.
+    """
+    key = derive_key(name, scheme=key_scheme, prefix=key_prefix)
+    options = LockOptions(timeout=timeout, shared=shared, transaction=transaction)
+    lock = binding_for(bind).lock(bind, key, options)
+    return lock  # type: ignore[no-any-return]
+
+
+@overload
+def advisory_lock_set(
+    bind: Session | Connection | Engine,
+    names: Iterable[LockName],
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AdvisoryLockSet: ...
+
+
+@overload
+def advisory_lock_set(
+    bind: AsyncSession | AsyncConnection | AsyncEngine,
+    names: Iterable[LockName],
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AsyncAdvisoryLockSet: ...
+
+
+@overload
+def advisory_lock_set(
+    bind: object,
+    names: Iterable[LockName],
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AdvisoryLockSet | AsyncAdvisoryLockSet: ...
+
+
+def advisory_lock_set(
+    bind: object,
+    names: Iterable[LockName],
+    *,
+    timeout: Timeout = None,
+    shared: bool = False,
+    transaction: bool = False,
+    key_scheme: str | None = None,
+    key_prefix: str | int | None = None,
+) -> AdvisoryLockSet | AsyncAdvisoryLockSet:
+    """Several locks taken in key order, so overlapping sets never deadlock.
+
+    :param bind: as for [advisory_lock][advisory_locks.advisory_lock]; every lock of the set
+        runs on one connection.
+    :param names: the lock names (duplicates are taken once).
+    :param timeout: bounds the whole acquisition, not each lock.
+    :param shared: as for ``advisory_lock``, for every lock of the set.
+    :param transaction: as for ``advisory_lock``, for every lock of the set.
+    :param key_scheme: as for ``advisory_lock``.
+    :param key_prefix: as for ``advisory_lock``.
+
+    :returns: An ``AdvisoryLockSet``, or an ``AsyncAdvisoryLockSet`` for an async bind.
+    """
+    if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+        raise TypeError(f"names must be a collection of lock names, not {type(names).__name__}")
+    keys = [derive_key(name, scheme=key_scheme, prefix=key_prefix) for name in names]
+    options = LockOptions(timeout=timeout, shared=shared, transaction=transaction)
+    lock_set = binding_for(bind).lock_set(bind, keys, options, options.timeout)
+    return lock_set  # type: ignore[no-any-return]
+
+
+def current_advisory_locks(bind: object) -> list[LockName]:
+    """Names of the locks this library holds through ``bind`` (in this process).
+
+    :param bind: any bind ``advisory_lock`` accepts.
+    """
+    return binding_for(bind).held_names(bind)

@@ -1,0 +1,166 @@
+"""Run statements on a driver's own connection object, and read its state.
+
+Bindings hand the lock an executor instead of an ORM connection: the lock's few
+statements then cost one driver call each, with no ORM statement compilation on the hot
+path. Most drivers follow DB-API closely enough for one executor; asyncio drivers have
+their own, next to their binding.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Final
+
+from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
+from advisory_locks._dialects.base import SERVER_VERSION_STATE
+
+__all__ = [
+    "DBAPIExecutor",
+    "driver_autocommit",
+    "driver_in_transaction",
+    "protocol_session_id",
+    "restore_driver_autocommit",
+    "set_driver_autocommit",
+]
+
+# psycopg 3 TransactionStatus.IDLE (libpq's PQTRANS_IDLE); psycopg2 uses the same numbers.
+PQTRANS_IDLE: Final = 0
+# MySQL's SERVER_STATUS_IN_TRANS flag in the status word of every OK packet.
+SERVER_STATUS_IN_TRANS: Final = 1
+
+
+class DBAPIExecutor:
+    """Executor for DB-API drivers with the ``%s`` paramstyle (psycopg 3, psycopg2, PyMySQL,
+    mysqlclient), and for sqlite3, whose backend runs no parameterised SQL.
+
+    One cursor serves every statement for the life of the connection: making a cursor
+    costs more client time than a lock's whole Python path (psycopg 3 builds its adapter
+    maps per cursor). Reuse is safe because every method reads its whole result before
+    returning, and each driver's ``execute()`` discards whatever an earlier statement left
+    behind; a cursor shared by threads would mix up results, so a mutex brackets each
+    statement and its fetch. The cursor dies with its connection, as does this executor.
+    """
+
+    __slots__ = ("_cursor", "_mutex", "_script_options", "connection", "state")
+
+    def __init__(self, connection: Any, state: dict[str, Any] | None = None) -> None:
+        self.connection = connection
+        self.state: dict[str, Any] = {} if state is None else state
+        self._cursor: Any = None
+        self._mutex = threading.Lock()
+        # psycopg 3 prepares statements it sees often, and every statement with
+        # prepare_threshold=0; a prepared statement holds one command, so a script
+        # (several commands in one round trip) must never be prepared.
+        module = type(connection).__module__
+        self._script_options: dict[str, Any] = (
+            {"prepare": False} if module.startswith("psycopg.") else {}
+        )
+        server_info = getattr(connection, "get_server_info", None)
+        if callable(server_info) and SERVER_VERSION_STATE not in self.state:
+            # PyMySQL and mysqlclient know the version from the handshake.
+            version = server_info()
+            if isinstance(version, str):
+                self.state[SERVER_VERSION_STATE] = version
+
+    def execute(self, statement: Statement) -> object:
+        with self._mutex:
+            cursor = self._cursor
+            if cursor is None or getattr(cursor, "closed", False) is True:
+                cursor = self._cursor = self.connection.cursor()
+            kind = statement.kind
+            if kind == VALUE:
+                cursor.execute(statement.sql, tuple(statement.params))
+                row = cursor.fetchone()
+                return None if row is None else row[0]
+            if kind == SCRIPT:
+                # Without parameters psycopg 3 and psycopg2 use the simple query
+                # protocol, which accepts several statements in one round trip.
+                cursor.execute(statement.sql, **self._script_options)
+                return None
+            assert kind == ROWS
+            cursor.execute(statement.sql)
+            return [tuple(row) for row in cursor.fetchall()]
+
+
+def protocol_session_id(driver_connection: Any) -> int | None:
+    """The server process id the driver was told at connect (None if it does not say).
+
+    A pooler or proxy answers the connect itself and makes one up, so it differs from
+    what the server reports for the session the statements really run in.
+    """
+    info = getattr(driver_connection, "info", None)
+    pid = getattr(info, "backend_pid", None)  # psycopg 3, psycopg2 >= 2.8
+    if pid is None and hasattr(driver_connection, "get_server_pid"):  # asyncpg
+        pid = driver_connection.get_server_pid()
+    if pid is None:
+        # MySQL/MariaDB tell the connection id (CONNECTION_ID()) in the handshake:
+        # PyMySQL keeps it as server_thread_id = (id,), mysqlclient returns it from thread_id().
+        thread_id = getattr(driver_connection, "server_thread_id", None)
+        if isinstance(thread_id, tuple) and thread_id:
+            pid = thread_id[0]
+        elif callable(getattr(driver_connection, "thread_id", None)):
+            pid = driver_connection.thread_id()
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
+def driver_autocommit(dbapi_connection: Any) -> bool:
+    """Whether the driver runs each statement in its own transaction right now."""
+    if dbapi_connection is None:
+        return False
+    if _is_sqlite3(dbapi_connection):
+        # Legacy transaction control (every Python version's default): None means
+        # the module never sends BEGIN. (Python 3.12's `autocommit` attribute is -1 then,
+        # which is truthy, so it must not be read as a bool.)
+        return dbapi_connection.isolation_level is None
+    get_autocommit = getattr(dbapi_connection, "get_autocommit", None)
+    if callable(get_autocommit):  # PyMySQL, mysqlclient: autocommit is a method there
+        return bool(get_autocommit())
+    return bool(getattr(dbapi_connection, "autocommit", False))
+
+
+def set_driver_autocommit(dbapi_connection: Any, value: bool) -> object:
+    """Switch the driver's autocommit mode; return what ``restore_driver_autocommit`` needs
+    to put back exactly the mode the application had configured."""
+    if _is_sqlite3(dbapi_connection):
+        previous = dbapi_connection.isolation_level  # "", "DEFERRED", "IMMEDIATE", ...
+        dbapi_connection.isolation_level = None if value else (previous or "")
+        return previous
+    previous_mode = driver_autocommit(dbapi_connection)
+    if callable(getattr(dbapi_connection, "get_autocommit", None)):
+        dbapi_connection.autocommit(value)
+    else:
+        dbapi_connection.autocommit = value
+    return previous_mode
+
+
+def restore_driver_autocommit(dbapi_connection: Any, previous: object) -> None:
+    """Undo ``set_driver_autocommit`` with the value it returned."""
+    if _is_sqlite3(dbapi_connection):
+        dbapi_connection.isolation_level = previous
+    elif callable(getattr(dbapi_connection, "get_autocommit", None)):
+        dbapi_connection.autocommit(bool(previous))
+    else:
+        dbapi_connection.autocommit = bool(previous)
+
+
+def driver_in_transaction(driver_connection: Any) -> bool | None:
+    """Whether the driver connection is inside a transaction (None where it cannot tell)."""
+    if driver_connection is None:
+        return None
+    if _is_sqlite3(driver_connection):
+        return bool(driver_connection.in_transaction)
+    is_in_transaction = getattr(driver_connection, "is_in_transaction", None)
+    if callable(is_in_transaction):  # asyncpg
+        return bool(is_in_transaction())
+    info = getattr(driver_connection, "info", None)
+    status = getattr(info, "transaction_status", None)  # psycopg 3, psycopg2 >= 2.8
+    if status is not None:
+        return int(status) != PQTRANS_IDLE
+    server_status = getattr(driver_connection, "server_status", None)  # PyMySQL
+    if isinstance(server_status, int):
+        return bool(server_status & SERVER_STATUS_IN_TRANS)
+    return None
+
+
+def _is_sqlite3(dbapi_connection: Any) -> bool:
+    return type(dbapi_connection).__module__ in ("sqlite3", "_sqlite3")

@@ -1,0 +1,166 @@
+"""Lock logic as steps: written once, run by a synchronous or an asynchronous driver.
+
+Dialect backends and the lock object never call a database themselves. They are
+generators that *yield* what they need done -- a statement on a connection, a connection
+borrowed from a binding, a borrowed connection settled -- and receive the result (or
+have the driver's exception thrown back in at the yield). ``run_steps`` performs the
+requests with blocking calls; ``arun_steps`` awaits them. So psycopg and asyncpg, sync
+and async, run one implementation of every rule, and neither needs greenlet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Generator, Sequence
+from typing import Any, Final, Protocol, TypeAlias, TypeVar
+
+__all__ = [
+    "ROWS",
+    "SCRIPT",
+    "VALUE",
+    "AsyncExecutor",
+    "AsyncSite",
+    "Borrow",
+    "Executor",
+    "Settle",
+    "Site",
+    "Statement",
+    "Steps",
+    "arun_steps",
+    "on",
+    "run_steps",
+]
+
+T = TypeVar("T")
+
+VALUE: Final = 0
+"""Run one statement with ``%s`` placeholders; the first column of the first row."""
+SCRIPT: Final = 1
+"""Run several ``;``-separated statements without parameters in one round trip."""
+ROWS: Final = 2
+"""Run one statement; all rows as tuples."""
+
+
+class Statement:
+    """One database request a step needs answered."""
+
+    __slots__ = ("kind", "params", "sql")
+
+    def __init__(self, kind: int, sql: str, params: Sequence[object] = ()) -> None:
+        self.kind = kind
+        self.sql = sql
+        self.params = params
+
+    def __repr__(self) -> str:
+        return f"Statement({self.kind}, {self.sql!r}, {self.params!r})"
+
+
+class Executor(Protocol):
+    """Runs statements on one driver connection, blocking."""
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Scratch space that lives exactly as long as the driver connection."""
+
+    def execute(self, statement: Statement) -> object:
+        """Run ``statement`` and return what its kind asks for."""
+
+
+class AsyncExecutor(Protocol):
+    """Runs statements on one driver connection, awaiting."""
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Scratch space that lives exactly as long as the driver connection."""
+
+    def execute(self, statement: Statement) -> Awaitable[object]:
+        """Run ``statement`` and return what its kind asks for."""
+
+
+class Borrow:
+    """Ask the binding's site for the connection a lock of this scope runs on."""
+
+    __slots__ = ("transaction",)
+
+    def __init__(self, transaction: bool) -> None:
+        self.transaction = transaction
+
+
+class Settle:
+    """Give a borrowed connection back as its lock decided (kept, returned or discarded)."""
+
+    __slots__ = ("borrowed",)
+
+    def __init__(self, borrowed: Any) -> None:
+        self.borrowed = borrowed
+
+
+# A statement is yielded together with the executor it must run on.
+Request: TypeAlias = "tuple[Any, Statement] | Borrow | Settle"
+Steps: TypeAlias = Generator[Any, Any, T]
+
+
+class Site(Protocol):
+    def borrow(self, *, transaction: bool) -> Any: ...
+
+
+class AsyncSite(Protocol):
+    async def aborrow(self, *, transaction: bool) -> Any: ...
+
+
+def on(executor: object, steps: Generator[Statement, Any, T]) -> Steps[T]:
+    """Run a backend's statement steps on ``executor`` (tags each statement with it)."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            statement = steps.send(result) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            result, error = (yield (executor, statement)), None
+        except BaseException as raised:
+            result, error = None, raised
+
+
+def run_steps(steps: Steps[T], site: Site | None = None) -> T:
+    """Perform every request of ``steps`` with blocking calls; return its result."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            request = steps.send(result) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        result = error = None
+        try:
+            if type(request) is tuple:
+                result = request[0].execute(request[1])
+            elif type(request) is Settle:
+                request.borrowed.settle()
+            else:
+                assert site is not None, "these steps borrow a connection: pass the site"
+                result = site.borrow(transaction=request.transaction)
+        except BaseException as raised:
+            error = raised
+
+
+async def arun_steps(steps: Steps[T], site: AsyncSite | None = None) -> T:
+    """Perform every request of ``steps``, awaiting each; return its result."""
+    result: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            request = steps.send(result) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        result = error = None
+        try:
+            if type(request) is tuple:
+                result = await request[0].execute(request[1])
+            elif type(request) is Settle:
+                await request.borrowed.asettle()
+            else:
+                assert site is not None, "these steps borrow a connection: pass the site"
+                result = await site.aborrow(transaction=request.transaction)
+        except BaseException as raised:
+            error = raised
