@@ -19,7 +19,7 @@ from advisory_locks._core.dispatch import (
     advisory_lock_set,
     current_advisory_locks,
 )
-from advisory_locks.keys import LockName
+from advisory_locks.keys import KeyScheme, LockName
 
 __all__ = [
     "POOLER_OPTION",
@@ -44,7 +44,7 @@ class AdvisoryLockSessionMixin:
         timeout: Timeout = None,
         shared: bool = False,
         transaction: bool = False,
-        key_scheme: str | None = None,
+        key_scheme: KeyScheme | None = None,
         key_prefix: str | int | None = None,
     ) -> AdvisoryLock:
         """[advisory_lock][advisory_locks.advisory_lock] with this Session as the bind.
@@ -84,7 +84,7 @@ class AsyncAdvisoryLockSession(AsyncSession):
         timeout: Timeout = None,
         shared: bool = False,
         transaction: bool = False,
-        key_scheme: str | None = None,
+        key_scheme: KeyScheme | None = None,
         key_prefix: str | int | None = None,
     ) -> AsyncAdvisoryLock:
         """[advisory_lock][advisory_locks.advisory_lock] with this AsyncSession as the bind.

@@ -36,7 +36,7 @@ from advisory_locks.errors import (
     LockTimeout,
     UnsupportedFeature,
 )
-from advisory_locks.keys import LockKey, LockName, derive_key
+from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
 from advisory_locks_django import _binding, signals
 from advisory_locks_django._binding import (
     DjangoConnectionLocks,
@@ -70,7 +70,7 @@ def advisory_lock(
     shared: bool = False,
     transaction: bool | _Default = DEFAULT,
     skip_if_locked: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> DjangoAdvisoryLock:
     """A named lock held by the database ``using``: a context manager and a decorator.
@@ -95,8 +95,9 @@ def advisory_lock(
         (False: a session lock, released at the end of the block).
     :param skip_if_locked: as a decorator, return ``None`` without calling the function
         when the lock is busy, instead of raising ``LockNotAcquired``.
-    :param key_scheme: how a ``str`` name becomes a key: ``"sha256"``, ``"pglock"`` or
-        ``"rails"``. Default: ``ADVISORY_LOCKS["KEY_SCHEME"]``, else ``"sha256"``.
+    :param key_scheme: how a ``str`` name becomes a key: ``"sha256"``, ``"pglock"``,
+        ``"rails"``, ``"hashtext"``, or a function ``name -> int | (int, int)``. Default:
+        ``ADVISORY_LOCKS["KEY_SCHEME"]``, else ``"sha256"``.
     :param key_prefix: a namespace for ``str`` names. Default:
         ``ADVISORY_LOCKS["KEY_PREFIX"]``, else none.
     :returns: a [DjangoAdvisoryLock][advisory_locks_django.DjangoAdvisoryLock].
@@ -163,7 +164,7 @@ class DjangoAdvisoryLock:
         shared: bool = False,
         transaction: bool | _Default = DEFAULT,
         skip_if_locked: bool = False,
-        key_scheme: str | None = None,
+        key_scheme: KeyScheme | None = None,
         key_prefix: str | int | None = None,
     ) -> None:
         defaults = lock_settings()

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol, overload
 
 from advisory_locks._core.contract import LockOptions, Timeout
-from advisory_locks.keys import LockKey, LockName, derive_key
+from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
@@ -122,7 +122,7 @@ def advisory_lock(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLock: ...
 
@@ -135,7 +135,7 @@ def advisory_lock(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AsyncAdvisoryLock: ...
 
@@ -148,7 +148,7 @@ def advisory_lock(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLock | AsyncAdvisoryLock: ...
 
@@ -160,7 +160,7 @@ def advisory_lock(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLock | AsyncAdvisoryLock:
     """A named lock held by the database behind ``bind``.
@@ -208,7 +208,7 @@ def advisory_lock_set(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLockSet: ...
 
@@ -221,7 +221,7 @@ def advisory_lock_set(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AsyncAdvisoryLockSet: ...
 
@@ -234,7 +234,7 @@ def advisory_lock_set(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLockSet | AsyncAdvisoryLockSet: ...
 
@@ -246,7 +246,7 @@ def advisory_lock_set(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLockSet | AsyncAdvisoryLockSet:
     """Several locks taken in key order, so overlapping sets never deadlock.

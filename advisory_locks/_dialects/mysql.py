@@ -94,13 +94,19 @@ NO_LOCK_SOURCE: Final = (
 def server_lock_name(key: LockKey) -> str:
     """The name ``GET_LOCK`` sees for a lock name (and its prefix); at most 64 characters.
 
-    - text (prefix + name) of lower-case ASCII letters, digits and ``_.:/@-``, at most
-      64 characters: itself, so other MySQL clients can use the same lock;
+    - a text name under the ``rails`` key scheme: prefix + name, as is, the name the Ruby
+      ``with_advisory_lock`` gem sends, so the gem and this library take one lock for
+      every name the gem can lock. The server's rules apply as they do to the gem's
+      names (MySQL compares them case-insensitively, MariaDB case-sensitively). Text
+      over MySQL's 64-character limit, which the gem cannot lock there, raises
+      ``ValueError`` before any SQL, on MariaDB too;
+    - other text (prefix + name) of lower-case ASCII letters, digits and ``_.:/@-``, at
+      most 64 characters: itself, so other MySQL clients can use the same lock;
     - any other text: its first 31 characters with unusual characters replaced by ``_``,
       ``#``, and the first 32 hex digits of SHA-256 of the UTF-8 text. A readable name
       never contains ``#``, so the two forms cannot collide, and the hash keeps names
       that differ only in case apart even on a server that ignores case;
-    - an integer: ``#int:<n>``; a pair: ``#pair:<a>:<b>``.
+    - an integer: ``#int:<n>``; a pair: ``#pair:<a>:<b>`` (whatever the scheme).
     """
     name = key.name
     if isinstance(name, tuple):
@@ -108,11 +114,27 @@ def server_lock_name(key: LockKey) -> str:
     if isinstance(name, int):
         return f"#int:{name}"
     text = key.prefix + name
+    if key.scheme == "rails":
+        return _rails_lock_name(text)
     if READABLE.fullmatch(text):
         return text
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:HASH_HEX_CHARS]
     readable = UNREADABLE_CHAR.sub("_", text[: MAX_NAME_CHARS - HASH_HEX_CHARS - 1])
     return f"{readable}#{digest}"
+
+
+def _rails_lock_name(text: str) -> str:
+    # MySQL refuses longer names (error 3057), so the gem fails on them; MariaDB takes up
+    # to 192 bytes, but one limit on both servers keeps a name that works on one working
+    # on the other. Hashing instead would take a lock the gem never could, silently.
+    if len(text) > MAX_NAME_CHARS:
+        raise ValueError(
+            f"the rails key scheme sends {text[:20]!r}... to GET_LOCK as is, as the "
+            f"with_advisory_lock gem does, and it is {len(text)} characters long: MySQL "
+            f"takes at most {MAX_NAME_CHARS}, so the gem cannot lock it either. Use a "
+            "shorter name, or another key scheme (which hashes long names)"
+        )
+    return text
 
 
 class MySQLBackend:

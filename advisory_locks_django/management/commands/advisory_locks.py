@@ -23,6 +23,7 @@ from advisory_locks._monitoring import (
     Identity,
     KnownNames,
     identify,
+    key_arguments,
     key_details,
     key_document,
     lock_document,
@@ -96,7 +97,7 @@ class Command(BaseCommand):
         if options["json"]:
             self.stdout.write(json.dumps(key_document(key, scheme, shown_prefix)))
         else:
-            self.stdout.write(" ".join(str(part) for part in key.ints))
+            self.stdout.write(key_arguments(key))
             self.stdout.write(key_details(key, scheme or "default", shown_prefix), ending="")
 
     def _list(self, options: dict[str, Any]) -> None:
@@ -131,9 +132,8 @@ class Command(BaseCommand):
         """What each key in the listing stands for, where this process can tell."""
         configured = lock_settings()
         known = KnownNames(_dialect(alias))
-        # Locks this process holds: their keys are the very ones it sent (with a scheme a
-        # lock may have chosen itself, so it is not claimed).
-        known.add_held(held_keys(alias), scheme=None, source="held here")
+        # Locks this process holds: their keys are the very ones it sent.
+        known.add_held(held_keys(alias), source="held here")
         for name in given:
             known.add(name, prefix=configured.key_prefix, source="given")
         return known
