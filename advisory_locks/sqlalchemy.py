@@ -12,12 +12,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from advisory_locks._bindings.sqlalchemy import POOLER_OPTION, AsyncBind, SyncBind
+from advisory_locks._bindings.sqlalchemy_lease import create_lease_table, lease_table
 from advisory_locks._core.advisory import AdvisoryLock, AsyncAdvisoryLock
 from advisory_locks._core.contract import Timeout
 from advisory_locks._core.dispatch import (
     advisory_lock,
     advisory_lock_set,
     current_advisory_locks,
+    lease_lock,
 )
 from advisory_locks.keys import KeyScheme, LockName
 
@@ -30,7 +32,10 @@ __all__ = [
     "SyncBind",
     "advisory_lock",
     "advisory_lock_set",
+    "create_lease_table",
     "current_advisory_locks",
+    "lease_lock",
+    "lease_table",
 ]
 
 

@@ -83,6 +83,16 @@ class ConnectionState:
         """Whether this process is a fork of the one that took these locks."""
         return self.pid != os.getpid()
 
+    def observe(self) -> None:
+        """Catch up, without a round trip, with what happened to the driver connection
+        since the library last looked.
+
+        Bindings that get events (SQLAlchemy, Django) keep the record current as things
+        happen and need nothing here. A raw driver connection has no events: its state
+        overrides this to read the driver (closed, handed back to a pool that reset it,
+        transaction ended), and the lock calls it before trusting a holding.
+        """
+
     def find(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding | None:
         holding = self.holdings.get(self._entry(key, shared, transaction))
         return holding if holding is not None and holding.active else None

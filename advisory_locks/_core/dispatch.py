@@ -15,12 +15,22 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol, overload
 
 from advisory_locks._core.contract import LockOptions, Timeout
+from advisory_locks._core.lease import DEFAULT_TTL, LeaseLock, LeaseOptions, lease_name
+from advisory_locks.errors import UnsupportedFeature
 from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import psycopg
+    import psycopg_pool
     from sqlalchemy.engine import Connection, Engine
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
     from sqlalchemy.orm import Session
+
+    # Typed raw drivers (asyncpg and psycopg2 ship no types: their binds are Any).
+    SyncRawBind: TypeAlias = psycopg.Connection[Any] | psycopg_pool.ConnectionPool[Any]
+    AsyncRawBind: TypeAlias = psycopg.AsyncConnection[Any] | psycopg_pool.AsyncConnectionPool[Any]
 
     from advisory_locks._core.advisory import (
         AdvisoryLock,
@@ -35,14 +45,18 @@ __all__ = [
     "advisory_lock_set",
     "binding_for",
     "current_advisory_locks",
+    "lease_lock",
     "register_binding",
 ]
 
 # The binding modules to import for a bind whose class comes from this top-level package.
 BINDING_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "sqlalchemy": ("advisory_locks._bindings.sqlalchemy",),
-    "psycopg": ("advisory_locks._bindings.psycopg",),
-    "psycopg_pool": ("advisory_locks._bindings.psycopg",),
+    "psycopg": ("advisory_locks._bindings.psycopg", "advisory_locks._bindings.psycopg_async"),
+    "psycopg_pool": (
+        "advisory_locks._bindings.psycopg",
+        "advisory_locks._bindings.psycopg_async",
+    ),
     "psycopg2": ("advisory_locks._bindings.psycopg2",),
     "asyncpg": ("advisory_locks._bindings.asyncpg",),
     "pymysql": ("advisory_locks._bindings.mysql",),
@@ -116,7 +130,7 @@ def _registered_for(cls: type) -> Binding | None:
 
 @overload
 def advisory_lock(
-    bind: Session | Connection | Engine,
+    bind: Session | Connection | Engine | SyncRawBind,
     name: LockName,
     *,
     timeout: Timeout = None,
@@ -129,7 +143,7 @@ def advisory_lock(
 
 @overload
 def advisory_lock(
-    bind: AsyncSession | AsyncConnection | AsyncEngine,
+    bind: AsyncSession | AsyncConnection | AsyncEngine | AsyncRawBind,
     name: LockName,
     *,
     timeout: Timeout = None,
@@ -202,7 +216,7 @@ def advisory_lock(
 
 @overload
 def advisory_lock_set(
-    bind: Session | Connection | Engine,
+    bind: Session | Connection | Engine | SyncRawBind,
     names: Iterable[LockName],
     *,
     timeout: Timeout = None,
@@ -215,7 +229,7 @@ def advisory_lock_set(
 
 @overload
 def advisory_lock_set(
-    bind: AsyncSession | AsyncConnection | AsyncEngine,
+    bind: AsyncSession | AsyncConnection | AsyncEngine | AsyncRawBind,
     names: Iterable[LockName],
     *,
     timeout: Timeout = None,
@@ -276,3 +290,56 @@ def current_advisory_locks(bind: object) -> list[LockName]:
     :param bind: any bind ``advisory_lock`` accepts.
     """
     return binding_for(bind).held_names(bind)
+
+
+def lease_lock(
+    bind: object,
+    name: str,
+    *,
+    ttl: float = DEFAULT_TTL,
+    renew_every: float | None = None,
+    timeout: Timeout = None,
+    key_prefix: str | int | None = None,
+) -> LeaseLock:
+    """A lease lock: a row of ``advisory_locks_lease`` held until it expires unless
+    renewed, with a fencing token. Unlike an advisory lock it belongs to no connection,
+    so it can be held through a transaction pooler and across a long job without pinning
+    a connection. Nothing is sent to the database until it is acquired.
+
+    Use it as ``with lease_lock(...) as lease:`` or call ``acquire()`` / ``release()``.
+    While held, the process's renewer thread extends it every ``renew_every`` seconds.
+
+    Args:
+        bind: a SQLAlchemy ``Engine``, ``Session`` or ``Connection``; its Engine's pool
+            lends each lease statement a connection and takes it back at once.
+        name: a non-empty ``str`` (with its prefix, at most 255 characters); the same
+            name is the same lease for every process and ORM using the database.
+        ttl: seconds the lease lasts after each acquire or renewal, by the database's
+            clock; a holder that stops renewing (crash, pause) loses it this long after
+            its last renewal.
+        renew_every: seconds between renewals; default ``ttl / 3``. Must be below
+            ``ttl`` minus a safety margin of ``ttl / 10``.
+        timeout: ``None`` waits until the lease is free, ``0`` tries once, ``t > 0`` waits
+            at most ``t`` seconds.
+        key_prefix: a namespace put before ``name``; default ``$ADVISORY_LOCKS_PREFIX``.
+
+    Returns:
+        A ``LeaseLock``.
+
+    Raises:
+        TypeError: a name or option of the wrong type, before any SQL.
+        ValueError: an empty or too long name, ``ttl <= 0``, NaN, or ``renew_every`` not
+            below ``ttl`` minus the margin, before any SQL.
+        UnsupportedFeature: a bind that cannot hold leases (an asyncio bind, for now).
+        LeaseTableMissing: (at acquire) the database has no ``advisory_locks_lease``.
+    """
+    stored_name = lease_name(name, key_prefix)
+    options = LeaseOptions(ttl=ttl, renew_every=renew_every, timeout=timeout)
+    binding = binding_for(bind)
+    make_site = getattr(binding, "lease_site", None)
+    if make_site is None:
+        raise UnsupportedFeature(
+            f"lease locks are not available for {type(bind).__name__} binds yet; pass a "
+            "SQLAlchemy Engine, Session or Connection"
+        )
+    return LeaseLock(make_site(bind), name, stored_name, options)

@@ -51,9 +51,10 @@ class DBAPIExecutor:
         # psycopg 3 prepares statements it sees often, and every statement with
         # prepare_threshold=0; a prepared statement holds one command, so a script
         # (several commands in one round trip) must never be prepared.
+        # (psycopg >= 3.2 names its classes' module "psycopg", older ones "psycopg.connection".)
         module = type(connection).__module__
         self._script_options: dict[str, Any] = (
-            {"prepare": False} if module.startswith("psycopg.") else {}
+            {"prepare": False} if module == "psycopg" or module.startswith("psycopg.") else {}
         )
         server_info = getattr(connection, "get_server_info", None)
         if callable(server_info) and SERVER_VERSION_STATE not in self.state:
@@ -78,7 +79,14 @@ class DBAPIExecutor:
                 cursor.execute(statement.sql, **self._script_options)
                 return None
             assert kind == ROWS
-            cursor.execute(statement.sql)
+            if statement.params:
+                cursor.execute(statement.sql, tuple(statement.params))
+            else:
+                # Without parameters no driver reads "%" in the text as a placeholder.
+                cursor.execute(statement.sql)
+            # A statement without a result (MySQL's UPDATE) gives no description.
+            if cursor.description is None:
+                return []
             return [tuple(row) for row in cursor.fetchall()]
 
 
