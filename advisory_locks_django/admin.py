@@ -18,7 +18,7 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 from django.utils import timezone
 
-from advisory_locks._monitoring import lock_cells
+from advisory_locks._monitoring import identify, lock_cells
 from advisory_locks_django.listing import DatabaseLocks, database_locks
 from advisory_locks_django.models import DatabaseLock
 
@@ -86,8 +86,10 @@ def _shown(listing: DatabaseLocks) -> dict[str, Any]:
     """A database's listing as the template shows it: one dict of texts per lock."""
     locks = []
     for row in listing.rows:
-        pid, status, mode, duration, key, pg_locks, application, client, state = lock_cells(row)
-        name = listing.names.get(row.key)
+        identity = identify(row, listing.known)
+        cells = lock_cells(row, identity)
+        pid, status, mode, duration, key, scheme, _, pg_locks, application, client, state = cells
+        name = identity.name
         if name is None and isinstance(row.key, str):
             name = row.key  # MySQL: the server knows the lock by its GET_LOCK name
         locks.append(
@@ -97,6 +99,7 @@ def _shown(listing: DatabaseLocks) -> dict[str, Any]:
                 "mode": mode,
                 "since": duration,
                 "key": key,
+                "scheme": scheme,
                 "pg_locks": pg_locks,
                 "name": "" if name is None else _name_text(name),
                 "application": application,

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from django.db import connections, transaction
 
 from advisory_locks._core.steps import on, run_steps
 from advisory_locks._dialects.base import LockedRow
 from advisory_locks._dialects.lease import LeaseRow, lease_backend_for_dialect
-from advisory_locks._monitoring import mysql_lock_name
-from advisory_locks.keys import LockName, derive_key
+from advisory_locks._monitoring import KnownNames
+from advisory_locks.keys import LockName
 from advisory_locks_django._binding import DjangoExecutor, backend_for_alias, held_keys
 from advisory_locks_django.conf import lock_settings
 
@@ -52,21 +51,16 @@ def list_leases(alias: str) -> list[LeaseRow] | None:
     return [row for row in rows if row.holder is not None]
 
 
-def known_names(alias: str, given: Iterable[LockName] = ()) -> dict[Any, LockName]:
-    """The name each listed key stands for, where this process can tell: the ``given``
-    names (hashed with the project's key scheme and prefix) and the locks any thread of
-    this process holds on ``alias``."""
+def known_names(alias: str, given: Iterable[LockName] = ()) -> KnownNames:
+    """What each listed key stands for, where this process can tell: the locks any thread
+    of this process holds on ``alias`` (their keys are the very ones it sent), and the
+    ``given`` names, hashed with the project's key prefix and every key scheme."""
     configured = lock_settings()
-    keys = [
-        derive_key(name, scheme=configured.key_scheme, prefix=configured.key_prefix)
-        for name in given
-    ]
-    # MySQL lists a lock by its GET_LOCK name, PostgreSQL by its integer key(s).
-    mysql = backend_for_alias(alias).dialect_name == "mysql"
-    return {
-        (mysql_lock_name(key) if mysql else key.value): key.name
-        for key in [*keys, *held_keys(alias)]
-    }
+    known = KnownNames(backend_for_alias(alias).dialect_name)
+    known.add_held(held_keys(alias), source="held here")
+    for name in given:
+        known.add(name, prefix=configured.key_prefix, source="given")
+    return known
 
 
 @dataclass
@@ -77,7 +71,7 @@ class DatabaseLocks:
     vendor: str
     database_name: str
     rows: list[LockedRow] = field(default_factory=list)
-    names: dict[Any, LockName] = field(default_factory=dict)
+    known: KnownNames | None = None
     problem: str | None = None
     # None: the database has no lease table (or it could not be read: lease_problem).
     leases: list[LeaseRow] | None = None
@@ -93,7 +87,7 @@ def database_locks(alias: str) -> DatabaseLocks:
         # listing that fails must not break it.
         with transaction.atomic(using=alias):
             listing.rows = list_locks(alias)
-        listing.names = known_names(alias)
+        listing.known = known_names(alias)
     except Exception as error:
         # Shown to the operator in place of the table: SQLite's file locks, a MariaDB
         # without performance_schema, a server that is down.

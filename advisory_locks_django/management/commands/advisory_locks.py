@@ -1,11 +1,13 @@
 """``manage.py advisory_locks list|key``: the ``advisory-locks`` command, on Django's databases.
 
 The listing and its table are the core CLI's (the backend's ``list_locks`` and
-``advisory_locks._monitoring``, through ``advisory_locks_django.listing``, which the admin
-page shares); this command adds the names this process can tell: those of locks it holds
-itself, and any ``--name`` given, hashed with the project's key scheme and prefix. ``key``
-shows what the database behind ``--database`` sees: integer keys on PostgreSQL (and
-SQLite, whose lock files are named by them), the ``GET_LOCK`` name on MySQL and MariaDB.
+``advisory_locks._monitoring``, which also reads the Rails gem's query comments and guesses
+a scheme per key), through ``advisory_locks_django.listing``, which the admin page shares;
+this command adds the names this process can tell: those of locks it
+holds itself, and any ``--name`` given, hashed with the project's key prefix and every key
+scheme (a match tells the scheme). ``key`` shows what the database behind ``--database``
+sees: integer keys on PostgreSQL (and SQLite, whose lock files are named by them), the ``GET_LOCK``
+name on MySQL and MariaDB.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 
 from advisory_locks._monitoring import (
+    Identity,
+    identify,
     key_arguments,
     key_details,
     key_document,
@@ -28,7 +32,7 @@ from advisory_locks._monitoring import (
     mysql_lock_name,
 )
 from advisory_locks.errors import AdvisoryLockError
-from advisory_locks.keys import KEY_SCHEMES, LockName, derive_key
+from advisory_locks.keys import KEY_SCHEMES, derive_key
 from advisory_locks_django._binding import backend_for_alias
 from advisory_locks_django.conf import lock_settings
 from advisory_locks_django.listing import known_names, list_locks
@@ -105,21 +109,19 @@ class Command(BaseCommand):
         except AdvisoryLockError as error:
             # Worded as the core CLI words it, with the alias in place of the URL.
             raise CommandError(f"cannot list locks on database {alias!r}: {error}") from error
-        names = known_names(alias, options["name"])
+        known = known_names(alias, options["name"])
         if options["json"]:
-            documents = [
-                {**lock_document(row), "name": _json_name(names.get(row.key))} for row in rows
-            ]
+            documents = [lock_document(row, identify(row, known)) for row in rows]
             self.stdout.write(json.dumps(documents, ensure_ascii=False, indent=2))
             return
         # The table fits the terminal when stdout is one (OutputWrapper passes isatty on).
-        self.stdout.write(locks_table(rows, cast(TextIO, self.stdout)), ending="")
-        recognised = {row.key: names[row.key] for row in rows if row.key in names}
+        self.stdout.write(locks_table(rows, cast(TextIO, self.stdout), known), ending="")
+        recognised = {row.key: known.by_key[row.key] for row in rows if row.key in known}
         if recognised:
             self.stdout.write("\nNames of the keys above that this process can tell:")
-            for key, name in recognised.items():
+            for key, identity in recognised.items():
                 shown = ",".join(map(str, key)) if isinstance(key, tuple) else str(key)
-                self.stdout.write(f"  {shown}  {name!r}")
+                self.stdout.write(f"  {shown}  {_shown_name(identity)}")
 
 
 def _dialect(alias: str) -> str:
@@ -128,5 +130,5 @@ def _dialect(alias: str) -> str:
     return backend_for_alias(alias).dialect_name
 
 
-def _json_name(name: LockName | None) -> object:
-    return list(name) if isinstance(name, tuple) else name
+def _shown_name(identity: Identity) -> str:
+    return repr(identity.name) if isinstance(identity.name, str) else str(identity.name)
