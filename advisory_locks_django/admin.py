@@ -1,8 +1,16 @@
 """The admin's "Database locks" page: the advisory locks held and awaited on each database.
 
-A page of the app's admin (``DatabaseLock`` has no table): staff with the
-``view_databaselock`` permission (superusers have it) see, per configured database, the
-same listing as ``manage.py advisory_locks list``, refreshed every few seconds.
+A page of the app's admin: staff with the ``view_databaselock`` permission (superusers
+have it) see, per configured database, the same listing as ``manage.py advisory_locks
+list``, and the leases held, refreshed every few seconds.
+
+Django's admin lists an app's pages by model, and its permissions are per model, so the
+page has one: ``DatabaseLock``, without a table (``managed = False``) and without a
+migration (the app has none: Django creates the permission of an unmigrated app's model
+at ``migrate`` all the same). It is defined here rather than in ``models.py`` so that it
+exists only where the admin is installed: defining a model loads the default database's
+backend, which must not happen before the app's checks can say that a MySQL driver is
+missing.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 from django.conf import settings
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
-from django.db import connections
+from django.db import connections, models
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
@@ -20,13 +28,23 @@ from django.utils import timezone
 
 from advisory_locks._monitoring import identify, lock_cells
 from advisory_locks_django.listing import DatabaseLocks, database_locks
-from advisory_locks_django.models import DatabaseLock
 
-__all__ = ["DatabaseLockAdmin"]
+__all__ = ["DatabaseLock", "DatabaseLockAdmin"]
 
 TEMPLATE: Final = "admin/advisory_locks_django/database_locks.html"
 REFRESH_SECONDS: Final = 5
 MAX_REFRESH_SECONDS: Final = 3600
+
+
+class DatabaseLock(models.Model):
+    """An advisory lock a database server holds or awaits (listed live, never stored)."""
+
+    class Meta:
+        app_label = "advisory_locks_django"
+        managed = False
+        default_permissions = ("view",)
+        verbose_name = "database lock"
+        verbose_name_plural = "database locks"
 
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ from django.db.backends.signals import connection_created
 class AdvisoryLocksConfig(AppConfig):
     name = "advisory_locks_django"
     verbose_name = "Advisory locks"
-    # Pinned, so that a project's DEFAULT_AUTO_FIELD never asks for a migration of the
-    # table-less DatabaseLock model.
+    # Pinned, so that a project's DEFAULT_AUTO_FIELD never changes the table-less
+    # DatabaseLock model of the admin page.
     default_auto_field = "django.db.models.AutoField"
 
     def __init__(self, app_name: str, app_module: Any) -> None:

@@ -220,8 +220,8 @@ def test_there_is_nothing_to_add_change_or_delete(client: Client) -> None:
 
 
 @pytest.mark.django_db(databases=ALIASES)
-def test_the_table_less_model_needs_no_new_migration() -> None:
-    call_command("makemigrations", "advisory_locks_django", "--check", "--dry-run", verbosity=0)
+def test_the_table_less_model_asks_the_project_for_no_migration() -> None:
+    call_command("makemigrations", "--check", "--dry-run", verbosity=0)
 
 
 # -- in a real browser ---------------------------------------------------------------------
