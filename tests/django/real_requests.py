@@ -46,6 +46,16 @@ class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        finally:
+            # The client has the body before the server closes the response (which sends
+            # request_finished): say when that has run, so a test can look after it.
+            handled = getattr(self.server, "handled", None)
+            if isinstance(handled, threading.Event):
+                handled.set()
+
 
 def _register(job: Callable[[], Any], errors: dict[str, BaseException]) -> str:
     job_id = f"job{next(_job_ids)}"
@@ -82,6 +92,8 @@ class WSGIWorker:
 
     def __init__(self) -> None:
         self._server = make_server("127.0.0.1", 0, WSGIHandler(), handler_class=_QuietHandler)
+        self._handled = threading.Event()
+        self._server.handled = self._handled  # type: ignore[attr-defined]
         self._errors: dict[str, BaseException] = {}
         self._thread = threading.Thread(target=self._serve, name="wsgi-worker", daemon=True)
         self._thread.start()
@@ -105,12 +117,15 @@ class WSGIWorker:
         host, port = self._server.server_address[:2]
         started = time.monotonic()
         client = http.client.HTTPConnection(str(host), int(port), timeout=timeout)
+        self._handled.clear()
         try:
             client.request("GET", path)
             answer = client.getresponse()
             body = answer.read().decode()
         finally:
             client.close()
+        # The request counts as over once the server finished it (request_finished ran).
+        assert self._handled.wait(timeout), f"the server did not finish {path}"
         job_id = path.rstrip("/").rsplit("/", 1)[-1]
         return Response(
             answer.status, body, self._errors.pop(job_id, None), time.monotonic() - started
