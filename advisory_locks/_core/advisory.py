@@ -129,14 +129,11 @@ class AdvisoryLock(LockContract):
     @property
     def held(self) -> bool:
         """Whether this object holds the lock (a transaction lock until its transaction ends)."""
-        holding = self._holding
-        return (
-            self._count > 0
-            and holding is not None
-            and holding.active
-            and self._borrowed is not None
-            and not self._borrowed.state.inherited
-        )
+        holding, borrowed = self._holding, self._borrowed
+        if not self._count or holding is None or borrowed is None:
+            return False
+        borrowed.state.observe()
+        return holding.active and not borrowed.state.inherited
 
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
@@ -162,6 +159,8 @@ class AdvisoryLock(LockContract):
     def acquire_steps(self) -> Steps[bool]:
         self._claim()
         holding = self._holding
+        if self._borrowed is not None:
+            self._borrowed.state.observe()
         if self._count and holding is not None and holding.active:
             self._count += 1
             holding.count += 1
@@ -244,6 +243,7 @@ class AdvisoryLock(LockContract):
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
             raise self._not_held()
+        borrowed.state.observe()
         self._count -= 1
         holding.count -= 1
         if self._count:
@@ -311,6 +311,7 @@ class AdvisoryLock(LockContract):
         if not self._count or holding is None or borrowed is None:
             raise self._not_held()
         state = borrowed.state
+        state.observe()
         if state.inherited:
             raise LockLost(
                 f"advisory lock {self.name!r} belongs to the process that took it (pid "

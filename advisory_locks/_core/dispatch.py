@@ -20,9 +20,17 @@ from advisory_locks.errors import UnsupportedFeature
 from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import psycopg
+    import psycopg_pool
     from sqlalchemy.engine import Connection, Engine
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
     from sqlalchemy.orm import Session
+
+    # Typed raw drivers (asyncpg and psycopg2 ship no types: their binds are Any).
+    SyncRawBind: TypeAlias = psycopg.Connection[Any] | psycopg_pool.ConnectionPool[Any]
+    AsyncRawBind: TypeAlias = psycopg.AsyncConnection[Any] | psycopg_pool.AsyncConnectionPool[Any]
 
     from advisory_locks._core.advisory import (
         AdvisoryLock,
@@ -44,8 +52,11 @@ __all__ = [
 # The binding modules to import for a bind whose class comes from this top-level package.
 BINDING_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "sqlalchemy": ("advisory_locks._bindings.sqlalchemy",),
-    "psycopg": ("advisory_locks._bindings.psycopg",),
-    "psycopg_pool": ("advisory_locks._bindings.psycopg",),
+    "psycopg": ("advisory_locks._bindings.psycopg", "advisory_locks._bindings.psycopg_async"),
+    "psycopg_pool": (
+        "advisory_locks._bindings.psycopg",
+        "advisory_locks._bindings.psycopg_async",
+    ),
     "psycopg2": ("advisory_locks._bindings.psycopg2",),
     "asyncpg": ("advisory_locks._bindings.asyncpg",),
     "pymysql": ("advisory_locks._bindings.mysql",),
@@ -119,7 +130,7 @@ def _registered_for(cls: type) -> Binding | None:
 
 @overload
 def advisory_lock(
-    bind: Session | Connection | Engine,
+    bind: Session | Connection | Engine | SyncRawBind,
     name: LockName,
     *,
     timeout: Timeout = None,
@@ -132,7 +143,7 @@ def advisory_lock(
 
 @overload
 def advisory_lock(
-    bind: AsyncSession | AsyncConnection | AsyncEngine,
+    bind: AsyncSession | AsyncConnection | AsyncEngine | AsyncRawBind,
     name: LockName,
     *,
     timeout: Timeout = None,
@@ -205,7 +216,7 @@ def advisory_lock(
 
 @overload
 def advisory_lock_set(
-    bind: Session | Connection | Engine,
+    bind: Session | Connection | Engine | SyncRawBind,
     names: Iterable[LockName],
     *,
     timeout: Timeout = None,
@@ -218,7 +229,7 @@ def advisory_lock_set(
 
 @overload
 def advisory_lock_set(
-    bind: AsyncSession | AsyncConnection | AsyncEngine,
+    bind: AsyncSession | AsyncConnection | AsyncEngine | AsyncRawBind,
     names: Iterable[LockName],
     *,
     timeout: Timeout = None,
