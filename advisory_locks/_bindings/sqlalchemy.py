@@ -186,9 +186,12 @@ def executor_for(fairy: PoolProxiedConnection | ConnectionPoolEntry, info: dict[
         return cached
     state = connection_state(info).driver_state
     driver = fairy.driver_connection
+    module = type(driver).__module__
     executor: Any
-    if type(driver).__module__.startswith("asyncpg"):
+    if module.startswith("asyncpg"):
         executor = AdaptedAsyncpgExecutor(dbapi_connection, driver, state)
+    elif driver is not dbapi_connection and module == "psycopg":
+        executor = AdaptedPsycopgExecutor(dbapi_connection, driver, state)
     else:
         executor = DBAPIExecutor(dbapi_connection, state)
     info[EXECUTOR_INFO_KEY] = executor
@@ -222,6 +225,36 @@ class AdaptedAsyncpgExecutor:
             return None
         assert kind == ROWS
         return [tuple(row) for row in await_only(self._driver.fetch(statement.sql))]
+
+
+class AdaptedPsycopgExecutor:
+    """Executor for SQLAlchemy's adapter of psycopg's AsyncConnection.
+
+    The adapter's cursor takes no ``prepare`` argument, and psycopg prepares every
+    statement with ``prepare_threshold=0``, which a script of several statements cannot
+    be: scripts go to the AsyncConnection itself, unprepared. The driver keeps the
+    transaction state, so both paths see the same transaction.
+    """
+
+    __slots__ = ("_driver", "_executor")
+
+    def __init__(self, adapter: Any, driver: Any, state: dict[str, Any]) -> None:
+        self._executor = DBAPIExecutor(adapter, state)
+        self._driver = driver
+
+    @property
+    def connection(self) -> Any:
+        return self._executor.connection
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self._executor.state
+
+    def execute(self, statement: Statement) -> object:
+        if statement.kind == SCRIPT:
+            await_only(self._driver.execute(statement.sql, prepare=False))
+            return None
+        return self._executor.execute(statement)
 
 
 class ConnectionSite:

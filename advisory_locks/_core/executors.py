@@ -51,9 +51,10 @@ class DBAPIExecutor:
         # psycopg 3 prepares statements it sees often, and every statement with
         # prepare_threshold=0; a prepared statement holds one command, so a script
         # (several commands in one round trip) must never be prepared.
+        # (psycopg 3's classes say they come from "psycopg"; psycopg2's, "psycopg2...".)
         module = type(connection).__module__
         self._script_options: dict[str, Any] = (
-            {"prepare": False} if module.startswith("psycopg.") else {}
+            {"prepare": False} if module == "psycopg" or module.startswith("psycopg.") else {}
         )
         server_info = getattr(connection, "get_server_info", None)
         if callable(server_info) and SERVER_VERSION_STATE not in self.state:
