@@ -12,6 +12,7 @@ there (uncommitted, so its rollback removes it) after the lock's block.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -144,6 +145,22 @@ def test_engine_lock_taken_first_does_not_reset_a_transaction_begun_inside_its_b
         connection.commit()
     with rival.connect() as connection:
         assert read(connection, notes_table) == ["inside the lock"]
+
+
+def test_engine_lock_dropped_unreleased_is_released_when_the_shared_connection_goes_back(
+    single: Callable[..., Engine], database: FaultDatabase
+) -> None:
+    engine = single()
+    name = unique_name()
+    connection = engine.connect()
+    connection.execute(text("SELECT 1"))
+    lock = advisory_lock(engine, name)
+    assert lock.acquire()
+    del lock
+    gc.collect()
+    assert database.holder(name) is not None  # the application still has the connection
+    connection.close()
+    assert database.holder(name) is None
 
 
 def test_session_bound_to_a_connection_in_a_transaction_leaves_it_in_place(
