@@ -1,14 +1,16 @@
 """Database-held named locks for SQLAlchemy, Django and the raw database drivers.
 
 Public API: ``advisory_lock()``, ``advisory_lock_set()``, ``current_advisory_locks()``,
-``lock_key()``, the lock objects and the errors below. Importing this package loads no ORM
-and no driver: the binding for a bind is imported the first time such a bind is used
-(``import advisory_locks.sqlalchemy`` early to register SQLAlchemy's listeners before the
-first connection, see docs/concepts/architecture.md).
+``declare_pooler()`` (raw driver pools and connections), ``lease_lock()``, ``lock_key()``,
+the lock objects and the errors below. Importing this package loads no ORM and no driver:
+the binding for a bind is imported the first time such a bind is used (``import
+advisory_locks.sqlalchemy`` early to register SQLAlchemy's listeners before the first
+connection, see docs/concepts/architecture.md).
 """
 
 from __future__ import annotations
 
+from advisory_locks._bindings._raw import declare_pooler
 from advisory_locks._core.advisory import (
     AdvisoryLock,
     AdvisoryLockSet,
@@ -19,12 +21,16 @@ from advisory_locks._core.dispatch import (
     advisory_lock,
     advisory_lock_set,
     current_advisory_locks,
+    lease_lock,
 )
+from advisory_locks._core.lease import LeaseLock
 from advisory_locks.errors import (
     AdvisoryLockError,
+    LeaseTableMissing,
     LockDeadlock,
     LockLost,
     LockNotAcquired,
+    LockStolen,
     LockTimeout,
     LockUsageError,
     UnsupportedDatabase,
@@ -38,10 +44,13 @@ __all__ = [
     "AdvisoryLockSet",
     "AsyncAdvisoryLock",
     "AsyncAdvisoryLockSet",
+    "LeaseLock",
+    "LeaseTableMissing",
     "LockDeadlock",
     "LockLost",
     "LockName",
     "LockNotAcquired",
+    "LockStolen",
     "LockTimeout",
     "LockUsageError",
     "UnsupportedDatabase",
@@ -49,6 +58,8 @@ __all__ = [
     "advisory_lock",
     "advisory_lock_set",
     "current_advisory_locks",
+    "declare_pooler",
+    "lease_lock",
     "lock_key",
 ]
 

@@ -12,9 +12,10 @@ from typing import Any, Final, TextIO
 
 from advisory_locks._dialects.base import LockedRow
 from advisory_locks._dialects.mysql import server_lock_name
-from advisory_locks.keys import LockKey, derive_key
+from advisory_locks.keys import CALLABLE_SCHEME, KeyScheme, LockKey, derive_key, scheme_label
 
 __all__ = [
+    "key_arguments",
     "key_details",
     "key_document",
     "lock_document",
@@ -61,26 +62,35 @@ def _mysql_quoted(server_name: str) -> str:
     return "'" + server_name.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
-def key_document(key: LockKey, scheme: str | None, prefix: str | None) -> dict[str, Any]:
+def key_arguments(key: LockKey) -> str:
+    """The key as the arguments of ``pg_advisory_lock(...)``: ``-42`` or ``42, 7``."""
+    return ", ".join(str(part) for part in key.ints)
+
+
+def key_document(key: LockKey, scheme: KeyScheme | None, prefix: str | None) -> dict[str, Any]:
     """The key(s) PostgreSQL sees for ``key``, its pg_locks ids and SQL, as a JSON object."""
     classid, objid, objsubid = key.pg_locks_ids()
     return {
         "name": list(key.name) if isinstance(key.name, tuple) else key.name,
-        "scheme": scheme,
+        "scheme": None if scheme is None else scheme_label(scheme),
         "prefix": prefix or None,
         "key": list(key.ints) if len(key.ints) == 2 else key.ints[0],
         "pg_locks": {"classid": classid, "objid": objid, "objsubid": objsubid},
-        "lock_sql": f"SELECT pg_advisory_lock({_sql_arguments(key)});",
-        "unlock_sql": f"SELECT pg_advisory_unlock({_sql_arguments(key)});",
+        "lock_sql": f"SELECT pg_advisory_lock({key_arguments(key)});",
+        "unlock_sql": f"SELECT pg_advisory_unlock({key_arguments(key)});",
     }
 
 
-def key_details(key: LockKey, scheme: str | None, prefix: str | None) -> str:
+def key_details(key: LockKey, scheme: KeyScheme | None, prefix: str | None) -> str:
     """``key`` explained for a terminal: its pg_locks ids and SQL to paste into psql."""
     classid, objid, objsubid = key.pg_locks_ids()
-    arguments = _sql_arguments(key)
-    if isinstance(key.name, str):
-        described = f"{key.name!r} (text; scheme {scheme}, " + (
+    arguments = key_arguments(key)
+    if isinstance(key.name, str) and key.scheme == CALLABLE_SCHEME:
+        label = "default" if scheme is None else scheme_label(scheme)
+        described = f"{key.name!r} (text; keyed by the function {label}, which takes no prefix)"
+    elif isinstance(key.name, str):
+        label = "default" if scheme is None else scheme_label(scheme)
+        described = f"{key.name!r} (text; scheme {label}, " + (
             f"prefix {prefix!r})" if prefix else "no prefix)"
         )
     elif isinstance(key.name, tuple):
@@ -96,6 +106,9 @@ def key_details(key: LockKey, scheme: str | None, prefix: str | None) -> str:
     ]
     if isinstance(key.name, str) and _looks_like_integer(key.name):
         lines.append(f"note      hashed as text; use --int to make {key.name} the key itself")
+    if key.scheme == "hashtext" and isinstance(key.name, str) and "\x00" not in key.name:
+        text = _postgres_quoted(key.prefix + key.name)
+        lines.append(f"note      the server's hashtext({text}) is this key")
     lines += [
         "",
         "-- in psql:",
@@ -107,8 +120,9 @@ def key_details(key: LockKey, scheme: str | None, prefix: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _sql_arguments(key: LockKey) -> str:
-    return ", ".join(str(part) for part in key.ints)
+def _postgres_quoted(text: str) -> str:
+    # standard_conforming_strings (on since PostgreSQL 9.1): only the quote is special.
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _looks_like_integer(text: str) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from advisory_locks._monitoring import (
+    key_arguments,
     key_details,
     key_document,
     lock_document,
@@ -48,7 +49,8 @@ A NAME is always text, hashed by the key scheme: `key 42` is the key of the stri
 Pass --int to use an integer as the key itself, or --pair A B for PostgreSQL's two-key form.
 
 On a terminal the key is followed by its pg_locks ids and SQL to paste into psql. When
-the output is piped, only the key line is printed, so scripts can write
+the output is piped, only the key line is printed, as the arguments of
+pg_advisory_lock(...) (a pair as "A, B"), so scripts can write
   psql -c "SELECT pg_advisory_lock($({PROGRAM} key nightly-report))"
 (--details prints everything anyway; --json prints it as one JSON object.)
 
@@ -168,7 +170,7 @@ def _run_key(arguments: argparse.Namespace, out: TextIO) -> int:
         json.dump(key_document(key, scheme, prefix), out, ensure_ascii=False)
         out.write("\n")
         return 0
-    out.write(" ".join(str(part) for part in key.ints) + "\n")
+    out.write(key_arguments(key) + "\n")
     if arguments.details or out.isatty():
         out.write(key_details(key, scheme, prefix))
     return 0

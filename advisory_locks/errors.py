@@ -9,9 +9,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdvisoryLockError",
+    "LeaseTableMissing",
     "LockDeadlock",
     "LockLost",
     "LockNotAcquired",
+    "LockStolen",
     "LockTimeout",
     "LockUsageError",
     "UnsupportedDatabase",
@@ -55,6 +57,30 @@ class LockLost(AdvisoryLockError):
         self.name = name
 
 
+class LockStolen(LockLost):
+    """A lease lock was taken over: another holder acquired it after ours expired.
+
+    ``holder`` and ``token`` describe the holding that took it over, as the database
+    reported them when the loss was learnt (``None`` where it could not be asked).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: LockName | None = None,
+        holder: str | None = None,
+        token: int | None = None,
+    ) -> None:
+        super().__init__(message, name=name)
+        self.holder = holder
+        self.token = token
+
+
+class LeaseTableMissing(AdvisoryLockError):
+    """The database has no ``advisory_locks_lease`` table; the message says how to create it."""
+
+
 class LockUsageError(AdvisoryLockError, RuntimeError):
     """The lock object was used in a way its contract forbids: released by a thread or
     task that does not hold it, shared between threads or tasks, released when not held,
@@ -75,6 +101,8 @@ for _error in (
     LockTimeout,
     LockDeadlock,
     LockLost,
+    LockStolen,
+    LeaseTableMissing,
     LockUsageError,
     UnsupportedDatabase,
     UnsupportedFeature,

@@ -17,14 +17,16 @@ from advisory_locks._bindings.sqlalchemy import (
     LockConnectionTimeout,
     SyncBind,
 )
+from advisory_locks._bindings.sqlalchemy_lease import create_lease_table, lease_table
 from advisory_locks._core.advisory import AdvisoryLock, AsyncAdvisoryLock
 from advisory_locks._core.contract import Timeout
 from advisory_locks._core.dispatch import (
     advisory_lock,
     advisory_lock_set,
     current_advisory_locks,
+    lease_lock,
 )
-from advisory_locks.keys import LockName
+from advisory_locks.keys import KeyScheme, LockName
 
 __all__ = [
     "POOLER_OPTION",
@@ -36,7 +38,10 @@ __all__ = [
     "SyncBind",
     "advisory_lock",
     "advisory_lock_set",
+    "create_lease_table",
     "current_advisory_locks",
+    "lease_lock",
+    "lease_table",
 ]
 
 
@@ -50,18 +55,17 @@ class AdvisoryLockSessionMixin:
         timeout: Timeout = None,
         shared: bool = False,
         transaction: bool = False,
-        key_scheme: str | None = None,
+        key_scheme: KeyScheme | None = None,
         key_prefix: str | int | None = None,
     ) -> AdvisoryLock:
         """[advisory_lock][advisory_locks.advisory_lock] with this Session as the bind.
 
-        Args:
-            name: the lock name.
-            timeout: ``None`` waits, ``0`` never waits, ``t`` waits at most ``t`` seconds.
-            shared: a shared (reader) lock.
-            transaction: held until this Session's transaction ends.
-            key_scheme: how a ``str`` name becomes a key.
-            key_prefix: a namespace for ``str`` names.
+        :param name: the lock name.
+        :param timeout: ``None`` waits, ``0`` never waits, ``t`` waits at most ``t`` seconds.
+        :param shared: a shared (reader) lock.
+        :param transaction: held until this Session's transaction ends.
+        :param key_scheme: how a ``str`` name becomes a key.
+        :param key_prefix: a namespace for ``str`` names.
         """
         assert isinstance(self, Session), "AdvisoryLockSessionMixin needs a Session subclass"
         return advisory_lock(
@@ -91,18 +95,17 @@ class AsyncAdvisoryLockSession(AsyncSession):
         timeout: Timeout = None,
         shared: bool = False,
         transaction: bool = False,
-        key_scheme: str | None = None,
+        key_scheme: KeyScheme | None = None,
         key_prefix: str | int | None = None,
     ) -> AsyncAdvisoryLock:
         """[advisory_lock][advisory_locks.advisory_lock] with this AsyncSession as the bind.
 
-        Args:
-            name: the lock name.
-            timeout: ``None`` waits, ``0`` never waits, ``t`` waits at most ``t`` seconds.
-            shared: a shared (reader) lock.
-            transaction: held until this Session's transaction ends.
-            key_scheme: how a ``str`` name becomes a key.
-            key_prefix: a namespace for ``str`` names.
+        :param name: the lock name.
+        :param timeout: ``None`` waits, ``0`` never waits, ``t`` waits at most ``t`` seconds.
+        :param shared: a shared (reader) lock.
+        :param transaction: held until this Session's transaction ends.
+        :param key_scheme: how a ``str`` name becomes a key.
+        :param key_prefix: a namespace for ``str`` names.
         """
         return advisory_lock(
             self,

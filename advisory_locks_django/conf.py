@@ -17,7 +17,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 
-from advisory_locks.keys import KEY_SCHEMES
+from advisory_locks.keys import KEY_SCHEMES, KeyScheme
 
 __all__ = ["POOLER_MODES", "SETTING", "LockSettings", "Problem", "lock_settings", "problems"]
 
@@ -42,7 +42,7 @@ DEFAULTS: Final[Mapping[str, Any]] = {
 class LockSettings:
     timeout: float | None
     transaction: bool
-    key_scheme: str | None
+    key_scheme: KeyScheme | None
     key_prefix: str | int | None
     send_signals: bool
     poolers: Mapping[str, str]
@@ -114,11 +114,14 @@ def problems(raw: object) -> list[Problem]:
             )
         )
     scheme = raw.get("KEY_SCHEME")
-    if scheme is not None and scheme not in KEY_SCHEMES:
+    # A function is a scheme too (name -> int | (int, int)); its results are checked
+    # on each lock, as the name's are.
+    if scheme is not None and not callable(scheme) and scheme not in KEY_SCHEMES:
         found.append(
             Problem(
                 "advisory_locks.E004",
-                f"{SETTING}['KEY_SCHEME'] must be one of {list(KEY_SCHEMES)}, not {scheme!r}.",
+                f"{SETTING}['KEY_SCHEME'] must be one of {list(KEY_SCHEMES)} or a function "
+                f"name -> int | (int, int), not {scheme!r}.",
             )
         )
     found += _prefix_problems(raw.get("KEY_PREFIX"), scheme)

@@ -24,6 +24,7 @@ from benchmarks.handoff import HANDOFF_VARIANTS, run_handoffs
 from benchmarks.handoff import descriptions as handoff_descriptions
 from benchmarks.measure import Case, interleave
 from benchmarks.postgres import URL_VARIABLE, database_url, server_version
+from benchmarks.raw_drivers import raw_driver_cases
 from benchmarks.report import (
     HandoffResult,
     Report,
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _all_cases(url: sqlalchemy.engine.URL, stack: ExitStack, notes: list[str]) -> list[Case]:
     cases = uncontended_cases(url, stack)
-    for build in (django_cases, pals_cases):
+    for build in (raw_driver_cases, django_cases, pals_cases):
         try:
             cases += build(url, stack)
         except ImportError as error:

@@ -54,16 +54,77 @@ def test_key_prints_only_the_key_when_output_is_piped(capsys: pytest.CaptureFixt
     assert capsys.readouterr().out == "-6951639720043709083\n"
 
 
-def test_key_prints_a_pair_scheme_as_two_space_separated_integers(
+def test_key_prints_a_pair_as_the_arguments_of_pg_advisory_lock(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["key", "test", "--scheme", "rails"]) == 0
-    assert capsys.readouterr().out == "1484750348 0\n"
+    assert capsys.readouterr().out == "1484750348, 0\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["key", "cli-paste-pair", "--scheme", "rails", "--prefix", "12"],
+        ["key", "cli-paste-bigint"],
+        ["key", "cli-paste-hashtext", "--scheme", "hashtext"],
+        ["key", "--pair", "-7", "2147483647"],
+    ],
+    ids=["rails-pair", "sha256-bigint", "hashtext", "negative-pair"],
+)
+def test_key_output_pastes_into_pg_advisory_lock_as_is(
+    argv: list[str],
+    capsys: pytest.CaptureFixture[str],
+    connect: Any,
+    pg_admin: psycopg.Connection[TupleRow],
+) -> None:
+    # What `psql -c "SELECT pg_advisory_lock($(advisory-locks key NAME))"` sends: the
+    # output spliced into the SQL text, not passed as parameters.
+    assert main(argv) == 0
+    printed = capsys.readouterr().out.strip()
+    holder = connect("cli-paste")
+    holder.execute(f"SELECT pg_advisory_lock({printed})")
+    try:
+        held = pg_admin.execute(
+            "SELECT classid, objid, objsubid FROM pg_locks"
+            " WHERE locktype = 'advisory' AND pid = %s AND granted",
+            (holder.info.backend_pid,),
+        ).fetchall()
+    finally:
+        holder.execute(f"SELECT pg_advisory_unlock({printed})")
+    expected = derive_key(
+        (int(argv[2]), int(argv[3])) if argv[1] == "--pair" else argv[1],
+        scheme=argv[argv.index("--scheme") + 1] if "--scheme" in argv else None,
+        prefix=argv[argv.index("--prefix") + 1] if "--prefix" in argv else None,
+    )
+    assert held == [expected.pg_locks_ids()]
 
 
 def test_key_uses_the_pglock_scheme_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["key", "test", "--scheme", "pglock"]) == 0
     assert capsys.readouterr().out == "7313085519096743583\n"
+
+
+def test_key_uses_the_hashtext_scheme_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    # SELECT hashtext('nightly-report') on PostgreSQL 15.
+    assert main(["key", "nightly-report", "--scheme", "hashtext"]) == 0
+    assert capsys.readouterr().out == "759228614\n"
+
+
+def test_key_details_for_hashtext_name_the_server_expression(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["key", "--details", "report", "--scheme", "hashtext", "--prefix", "o'k:"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "note      the server's hashtext('o''k:report') is this key" in lines
+
+
+def test_key_json_names_the_hashtext_scheme_and_gives_one_integer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["key", "--json", "nightly-report", "--scheme", "hashtext"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert (document["scheme"], document["key"]) == ("hashtext", 759228614)
+    assert document["lock_sql"] == "SELECT pg_advisory_lock(759228614);"
 
 
 def test_key_applies_the_prefix(capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,7 +134,7 @@ def test_key_applies_the_prefix(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_key_passes_a_rails_prefix_as_the_second_key(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["key", "test", "--scheme", "rails", "--prefix", "7"]) == 0
-    assert capsys.readouterr().out == "1484750348 7\n"
+    assert capsys.readouterr().out == "1484750348, 7\n"
 
 
 def test_key_takes_the_scheme_from_the_environment(
@@ -81,7 +142,7 @@ def test_key_takes_the_scheme_from_the_environment(
 ) -> None:
     monkeypatch.setenv("ADVISORY_LOCKS_KEY_SCHEME", "rails")
     assert main(["key", "test"]) == 0
-    assert capsys.readouterr().out == "1484750348 0\n"
+    assert capsys.readouterr().out == "1484750348, 0\n"
 
 
 def test_key_takes_the_prefix_from_the_environment(
@@ -108,7 +169,7 @@ def test_key_with_pair_uses_the_two_integers_themselves(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["key", "--pair", "-1", "5"]) == 0
-    assert capsys.readouterr().out == "-1 5\n"
+    assert capsys.readouterr().out == "-1, 5\n"
 
 
 def test_key_on_a_terminal_explains_pg_locks_ids_and_psql(
@@ -127,7 +188,7 @@ def test_key_on_a_terminal_explains_pg_locks_ids_and_psql(
 def test_key_details_flag_explains_even_when_piped(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["key", "--details", "test", "--scheme", "rails"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "1484750348 0"
+    assert lines[0] == "1484750348, 0"
     assert "pg_locks  classid=1484750348 objid=0 objsubid=2" in lines
     assert "SELECT pg_advisory_lock(1484750348, 0);" in lines
 
@@ -160,6 +221,15 @@ def test_key_json_gives_a_pair_as_a_list(capsys: pytest.CaptureFixture[str]) -> 
     document = json.loads(capsys.readouterr().out)
     assert document["key"] == [1484750348, 0]
     assert document["pg_locks"] == {"classid": 1484750348, "objid": 0, "objsubid": 2}
+    assert document["lock_sql"] == "SELECT pg_advisory_lock(1484750348, 0);"
+
+
+def test_key_mysql_dialect_under_rails_prints_the_gems_get_lock_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["key", "Nightly Report", "--scheme", "rails", "--prefix", "7", "--dialect", "mysql"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == "7Nightly Report\n"
 
 
 @pytest.mark.parametrize(
@@ -213,7 +283,7 @@ def test_python_dash_m_prints_the_rails_key() -> None:
         text=True,
         timeout=60,
     )
-    assert (completed.returncode, completed.stdout, completed.stderr) == (0, "1484750348 0\n", "")
+    assert (completed.returncode, completed.stdout, completed.stderr) == (0, "1484750348, 0\n", "")
 
 
 # --- list ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import subprocess
 import sys
 import zlib
@@ -17,10 +18,13 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from psycopg.rows import TupleRow
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import URL
 
-from advisory_locks.keys import LockKey, derive_key, lock_key
+from advisory_locks import advisory_lock
+from advisory_locks.keys import LockKey, _hashtext, derive_key, lock_key
 from tests.databases import advisory_locks_held, psycopg_connect
+from tests.helpers import advisory_statements, record_statements, unique_name
 
 # name -> (sha256 big-endian, pglock little-endian, rails crc32 & 0x7fffffff)
 VECTORS: dict[str, tuple[int, int, int]] = {
@@ -29,6 +33,15 @@ VECTORS: dict[str, tuple[int, int, int]] = {
     "café": (-8858723660289998967, -8503059731156496507, 414007989),
     "日本": (-3518790099034495285, -3808106454699791665, 1203228108),
     "🔒 lock": (-5947565950102618643, -1315635304337475923, 712834840),
+}
+
+# name -> what PostgreSQL 15's hashtext(name) returned for it (UTF8 database, C.UTF-8).
+HASHTEXT_VECTORS: dict[str, int] = {
+    "test": 1771415073,
+    "nightly-report": 759228614,
+    "café": 103771354,
+    "日本": -1851216170,
+    "🔒 lock": -2090329356,
 }
 
 HOSTILE_NAMES = [
@@ -64,6 +77,22 @@ def test_pglock_scheme_keys_are_fixed_vectors(name: str, expected: int) -> None:
 @pytest.mark.parametrize(("name", "expected"), [(n, v[2]) for n, v in VECTORS.items()])
 def test_rails_scheme_keys_are_fixed_vectors_with_prefix_zero(name: str, expected: int) -> None:
     assert lock_key(name, scheme="rails") == (expected, 0)
+
+
+@pytest.mark.parametrize(("name", "expected"), list(HASHTEXT_VECTORS.items()))
+def test_hashtext_scheme_keys_are_fixed_vectors(name: str, expected: int) -> None:
+    assert lock_key(name, scheme="hashtext") == expected
+
+
+def test_hashtext_key_is_one_bigint_inside_the_int4_range() -> None:
+    key = derive_key("nightly-report", scheme="hashtext")
+    assert key.ints == (759228614,)
+    assert all(-(2**31) <= derive_key(n, scheme="hashtext").ints[0] < 2**31 for n in VECTORS)
+
+
+def test_hashtext_of_no_bytes_is_the_servers() -> None:
+    # No name is empty, so only the function itself can be asked; SELECT hashtext('').
+    assert _hashtext(b"") == -1477818771
 
 
 def test_default_scheme_is_sha256() -> None:
@@ -122,6 +151,14 @@ def test_pglock_scheme_applies_the_prefix_too() -> None:
 
 def test_prefix_with_non_ascii_text() -> None:
     assert lock_key("café", prefix="shop/") == 7286865146962422413
+
+
+def test_hashtext_scheme_prepends_the_prefix_like_sha256() -> None:
+    # SELECT hashtext('billing:test')
+    assert lock_key("test", scheme="hashtext", prefix="billing:") == -934050249
+    assert lock_key("test", scheme="hashtext", prefix="billing:") == lock_key(
+        "billing:test", scheme="hashtext", prefix=""
+    )
 
 
 def test_integer_prefix_hashes_as_its_decimal_text() -> None:
@@ -263,6 +300,153 @@ def test_unknown_scheme_is_a_value_error() -> None:
         lock_key("test", scheme="crc32")
 
 
+@pytest.mark.parametrize("scheme", [42, b"sha256", ["rails"], 1.5])
+def test_scheme_that_is_neither_a_name_nor_a_function_is_a_type_error(scheme: object) -> None:
+    with pytest.raises(TypeError, match="key scheme must be"):
+        lock_key("test", scheme=scheme)  # type: ignore[arg-type]
+
+
+def test_scheme_from_the_environment_is_only_ever_a_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The variable is text: a dotted path to a function is not imported, it is unknown.
+    monkeypatch.setenv("ADVISORY_LOCKS_KEY_SCHEME", "myapp.keys.legacy_key")
+    with pytest.raises(ValueError, match="unknown key scheme"):
+        lock_key("test")
+    monkeypatch.setenv("ADVISORY_LOCKS_KEY_SCHEME", "hashtext")
+    assert lock_key("test") == HASHTEXT_VECTORS["test"]
+
+
+# --- a function as the scheme -------------------------------------------------------------
+
+
+def md5_key(name: str) -> int:
+    """The kind of legacy key function a project copied from a blog post years ago."""
+    return int.from_bytes(hashlib.md5(name.encode()).digest()[:8], "big", signed=True)
+
+
+def test_function_scheme_returning_an_int_gives_that_bigint_key() -> None:
+    assert lock_key("test", scheme=md5_key) == md5_key("test") == 688887797400064883
+    assert derive_key("test", scheme=md5_key).ints == (688887797400064883,)
+
+
+def test_function_scheme_returning_a_pair_gives_that_pair() -> None:
+    assert lock_key("test", scheme=lambda name: (len(name), -1)) == (4, -1)
+
+
+def test_function_scheme_receives_the_name_as_given_without_the_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ADVISORY_LOCKS_PREFIX", "from-env:")
+    seen: list[str] = []
+
+    def record(name: str) -> int:
+        seen.append(name)
+        return 1
+
+    derive_key("café", scheme=record, prefix="billing:")
+    derive_key("café", scheme=record)
+    assert seen == ["café", "café"]
+    assert derive_key("café", scheme=record).prefix == ""
+
+
+def test_function_scheme_is_called_for_each_lock_not_cached() -> None:
+    calls: list[str] = []
+
+    def counting(name: str) -> int:
+        calls.append(name)
+        return len(calls)
+
+    assert [lock_key("same", scheme=counting) for _ in range(3)] == [1, 2, 3]
+
+
+def test_function_scheme_does_not_apply_to_integer_and_pair_names() -> None:
+    def refuse(name: str) -> int:
+        raise AssertionError("int and pair names are the key already")
+
+    assert lock_key(42, scheme=refuse) == 42
+    assert lock_key((1, 2), scheme=refuse) == (1, 2)
+
+
+def test_function_scheme_still_refuses_a_prefix_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match="key prefix"):
+        lock_key("test", scheme=md5_key, prefix=1.5)  # type: ignore[arg-type]
+
+
+def test_function_scheme_still_refuses_an_empty_name_before_calling() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        lock_key("", scheme=lambda name: 1)
+
+
+BAD_FUNCTION_RESULTS: list[tuple[object, type[Exception], str]] = [
+    (True, TypeError, "expected an int or a tuple of two ints"),
+    ("42", TypeError, "expected an int or a tuple of two ints"),
+    (1.0, TypeError, "expected an int or a tuple of two ints"),
+    (None, TypeError, "expected an int or a tuple of two ints"),
+    ([1, 2], TypeError, "expected an int or a tuple of two ints"),
+    (b"\x00" * 8, TypeError, "expected an int or a tuple of two ints"),
+    (2**63, ValueError, "64-bit"),
+    (-(2**63) - 1, ValueError, "64-bit"),
+    ((1, 2, 3), TypeError, "exactly two ints"),
+    ((1, "2"), TypeError, "exactly two ints"),
+    ((True, 0), TypeError, "exactly two ints"),
+    ((2**31, 0), ValueError, "32-bit"),
+    ((0, -(2**31) - 1), ValueError, "32-bit"),
+]
+
+
+@pytest.mark.parametrize(("result", "error", "message"), BAD_FUNCTION_RESULTS)
+def test_function_scheme_result_is_validated_like_an_int_or_pair_name(
+    result: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message) as raised:
+        lock_key("test", scheme=lambda name: result)  # type: ignore[arg-type,return-value]
+    # The message names the function and what it returned, so the culprit is found.
+    assert "<lambda>" in str(raised.value)
+    assert repr(result) in str(raised.value)
+
+
+def test_an_error_inside_the_function_scheme_reaches_the_caller_unchanged() -> None:
+    def broken(name: str) -> int:
+        raise KeyError(name)
+
+    with pytest.raises(KeyError):
+        lock_key("test", scheme=broken)
+
+
+@pytest.fixture(scope="module")
+def recording_engine(postgres_url: URL) -> Iterator[tuple[Engine, list[str]]]:
+    engine = create_engine(postgres_url)
+    statements = record_statements(engine)
+    yield engine, statements
+    engine.dispose()
+
+
+@pytest.mark.parametrize(("result", "error", "message"), BAD_FUNCTION_RESULTS)
+def test_a_bad_function_scheme_result_fails_before_any_sql(
+    recording_engine: tuple[Engine, list[str]],
+    result: object,
+    error: type[Exception],
+    message: str,
+) -> None:
+    engine, statements = recording_engine
+    before = len(statements)
+    with engine.connect() as connection:
+        sent_on_connect = len(statements)
+        with pytest.raises(error, match=message):
+            advisory_lock(connection, "test", key_scheme=lambda name: result, timeout=0)  # type: ignore[arg-type,return-value]
+        assert statements[sent_on_connect:] == []
+    assert advisory_statements(statements[before:]) == []
+
+
+def test_a_function_scheme_locks_its_key_on_the_server(
+    pg_engine: Engine, pg_admin: psycopg.Connection[TupleRow]
+) -> None:
+    name = unique_name("md5")
+    with pg_engine.connect() as connection, advisory_lock(connection, name, key_scheme=md5_key):
+        # Another service that only knows the legacy function takes the same lock.
+        taken = pg_admin.execute("SELECT pg_try_advisory_lock(%s)", (md5_key(name),)).fetchone()
+        assert taken == (False,)
+
+
 # --- hostile names ------------------------------------------------------------------------
 
 
@@ -369,3 +553,122 @@ def test_pg_locks_ids_match_what_the_server_reports(
     finally:
         holder.execute(f"SELECT pg_advisory_unlock({placeholders})", key.ints)
     assert [(row.classid, row.objid, row.objsubid) for row in rows] == [key.pg_locks_ids()]
+
+
+# --- hashtext against the server ----------------------------------------------------------
+
+# Characters of every UTF-8 length: 1 byte, 2 bytes, 3 bytes, 4 bytes (outside the BMP).
+NON_ASCII = "éßñøЖж日本語한글€🔒😀𝄞🚀"
+
+
+def _names_of_every_byte_length(up_to: int) -> list[str]:
+    # Lengths around the 12-byte blocks hash_bytes reads (11, 12, 13, 23, 24, 25, ...),
+    # with bytes >= 0x80 landing in every position of the last, partial block.
+    names = []
+    for length in range(up_to + 1):
+        names.append("a" * length)
+        names.append("é" * (length // 2) + "x" * (length % 2))
+        names.append("x" * (length % 3) + "日" * (length // 3))
+        names.append("🔒" * (length // 4) + "y" * (length % 4))
+        names.append("".join(chr(0x7F - i % 0x7E) for i in range(length)))
+    return names
+
+
+def _hashtext_test_names() -> list[str]:
+    generator = random.Random(20261112)  # fixed: a failure reproduces
+    ascii_names = [
+        "".join(chr(generator.randint(1, 127)) for _ in range(generator.randint(1, 48)))
+        for _ in range(2000)
+    ]
+    unicode_names = [
+        "".join(generator.choice(NON_ASCII + "abc-:_ ") for _ in range(generator.randint(1, 30)))
+        for _ in range(1500)
+    ]
+    long_names = [
+        "x" * 1000,
+        "nightly-report:" * 200,
+        "".join(generator.choice(NON_ASCII) for _ in range(5000)),
+        "z" * 100_001,
+    ]
+    return [*_names_of_every_byte_length(40), *ascii_names, *unicode_names, *long_names]
+
+
+def _server_hashtext(admin: psycopg.Connection[TupleRow], texts: list[str]) -> list[int]:
+    # One round trip for the whole batch; ORDINALITY keeps the answers in order.
+    rows = admin.execute(
+        "SELECT hashtext(t.text) FROM unnest(%s::text[]) WITH ORDINALITY AS t(text, i)"
+        " ORDER BY t.i",
+        (texts,),
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+def test_hashtext_names_are_utf8_on_the_server_under_test(
+    pg_admin: psycopg.Connection[TupleRow],
+) -> None:
+    # The scheme hashes UTF-8 bytes, as hashtext() does in a UTF8 database; in a database
+    # of another encoding the server would hash other bytes.
+    assert pg_admin.execute("SHOW server_encoding").fetchone() == ("UTF8",)
+
+
+def test_hashtext_scheme_equals_the_servers_hashtext_for_thousands_of_names(
+    pg_admin: psycopg.Connection[TupleRow],
+) -> None:
+    names = _hashtext_test_names()
+    assert len(names) > 3500
+    lengths = {len(name.encode("utf-8")) for name in names}
+    assert set(range(41)) <= lengths
+    ours = [_hashtext(name.encode("utf-8")) for name in names]
+    server = _server_hashtext(pg_admin, names)
+    mismatched = [(n[:40], o, s) for n, o, s in zip(names, ours, server, strict=True) if o != s]
+    assert mismatched == []
+    # Through the public scheme too (the empty string is no name).
+    assert [lock_key(name, scheme="hashtext", prefix="") for name in names if name] == [
+        key for name, key in zip(names, server, strict=True) if name
+    ]
+
+
+def test_hashtext_scheme_with_a_prefix_equals_the_servers_hashtext_of_the_joined_text(
+    pg_admin: psycopg.Connection[TupleRow],
+) -> None:
+    names = [name for name in _hashtext_test_names()[::7] if name]
+    for prefix in ("billing:", "tenant-42/", "日本:", 7):
+        server = _server_hashtext(pg_admin, [f"{prefix}{name}" for name in names])
+        assert [lock_key(name, scheme="hashtext", prefix=prefix) for name in names] == server
+
+
+@pytest.fixture
+def psql_session(postgres_url: URL) -> Iterator[psycopg.Connection[TupleRow]]:
+    """A plain psycopg connection standing in for psql or another service's code."""
+    with psycopg_connect(postgres_url, autocommit=True) as connection:
+        yield connection
+
+
+@pytest.mark.parametrize("prefix", [None, "billing:"])
+def test_a_hashtext_lock_taken_in_sql_excludes_the_hashtext_scheme(
+    pg_engine: Engine, psql_session: psycopg.Connection[TupleRow], prefix: str | None
+) -> None:
+    name = unique_name("hashtext-é🔒")
+    psql_session.execute("SELECT pg_advisory_lock(hashtext(%s))", ((prefix or "") + name,))
+    try:
+        lock = advisory_lock(pg_engine, name, key_scheme="hashtext", key_prefix=prefix, timeout=0)
+        assert lock.acquire() is False
+    finally:
+        psql_session.execute("SELECT pg_advisory_unlock(hashtext(%s))", ((prefix or "") + name,))
+    # Freed in SQL, it is ours to take: the two sides named one lock.
+    with advisory_lock(pg_engine, name, key_scheme="hashtext", key_prefix=prefix, timeout=0):
+        pass
+
+
+@pytest.mark.parametrize("prefix", [None, "billing:"])
+def test_the_hashtext_scheme_excludes_a_hashtext_lock_taken_in_sql(
+    pg_engine: Engine, psql_session: psycopg.Connection[TupleRow], prefix: str | None
+) -> None:
+    name = unique_name("hashtext-日本")
+    text = (prefix or "") + name
+    with advisory_lock(pg_engine, name, key_scheme="hashtext", key_prefix=prefix, timeout=0):
+        taken = psql_session.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (text,))
+        assert taken.fetchone() == (False,)
+    taken = psql_session.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (text,))
+    assert taken.fetchone() == (True,)
+    psql_session.execute("SELECT pg_advisory_unlock(hashtext(%s))", (text,))

@@ -8,6 +8,7 @@ import hashlib
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,6 +71,111 @@ def test_long_and_unusual_names_map_within_64_characters() -> None:
         assert len(mapped) <= 64
         assert "#" in mapped
         assert mapped == server_lock_name(derive_key(name))  # deterministic
+
+
+def md5_key(name: str) -> int:
+    return int.from_bytes(hashlib.md5(name.encode()).digest()[:8], "big", signed=True)
+
+
+@pytest.mark.parametrize("scheme", ["sha256", "pglock", "hashtext", md5_key])
+def test_every_scheme_but_rails_maps_text_the_same_way(scheme: Any) -> None:
+    digest = hashlib.sha256(b"Job").hexdigest()[:32]
+    assert server_lock_name(derive_key("Job", scheme=scheme, prefix="")) == f"Job#{digest}"
+    assert server_lock_name(derive_key("job", scheme=scheme, prefix="")) == "job"
+
+
+# --- the rails scheme: the with_advisory_lock gem's GET_LOCK names -------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "prefix", "expected"),
+    [
+        ("Nightly Report", None, "Nightly Report"),
+        ("café", None, "café"),
+        ("日本 🔒 job", None, "日本 🔒 job"),
+        ("a'b\\c#d", None, "a'b\\c#d"),
+        ("Job", 7, "7Job"),
+        ("Job", "42", "42Job"),
+        ("x" * 64, None, "x" * 64),
+        ("é" * 62, 12, "12" + "é" * 62),
+    ],
+)
+def test_rails_text_reaches_get_lock_as_the_gem_sends_it(
+    name: str, prefix: int | str | None, expected: str
+) -> None:
+    # The gem on MySQL: GET_LOCK("#{ENV['WITH_ADVISORY_LOCK_PREFIX']}#{lock_name}", 0).
+    assert server_lock_name(derive_key(name, scheme="rails", prefix=prefix)) == expected
+
+
+@pytest.mark.parametrize(("name", "prefix"), [("x" * 65, None), ("é" * 63, 12), ("j" * 64, 7)])
+def test_rails_text_over_64_characters_is_refused_as_the_gem_cannot_lock_it(
+    name: str, prefix: int | None
+) -> None:
+    with pytest.raises(ValueError, match="at most 64"):
+        server_lock_name(derive_key(name, scheme="rails", prefix=prefix))
+
+
+@pytest.mark.parametrize(("name", "expected"), [(42, "#int:42"), ((1, -2), "#pair:1:-2")])
+def test_rails_does_not_change_integer_and_pair_names(name: Any, expected: str) -> None:
+    assert server_lock_name(derive_key(name, scheme="rails")) == expected
+
+
+def rails_name(label: str) -> str:
+    # Short enough for GET_LOCK with a prefix, unique on the shared server.
+    return f"{label}-{uuid.uuid4().hex[:12]}"
+
+
+RAILS_NAMES = [("Nightly-Report", None), ("Café-日本-🔒", None), ("Job", 7)]
+
+
+@pytest.mark.parametrize(("label", "prefix"), RAILS_NAMES)
+def test_a_rails_lock_taken_here_is_held_under_the_gems_name(
+    mysql_engine: Engine, mysql_url: URL, label: str, prefix: int | None
+) -> None:
+    name = rails_name(label)
+    gem_name = f"{'' if prefix is None else prefix}{name}"
+    with (
+        mysql_engine.connect() as connection,
+        advisory_lock(connection, name, key_scheme="rails", key_prefix=prefix),
+    ):
+        ours = connection.execute(text("SELECT CONNECTION_ID()")).scalar_one()
+        assert _admin_value(mysql_url, "SELECT IS_USED_LOCK(%s)", gem_name) == ours
+    assert _admin_value(mysql_url, "SELECT IS_USED_LOCK(%s)", gem_name) is None
+
+
+@pytest.mark.parametrize(("label", "prefix"), RAILS_NAMES)
+def test_a_lock_taken_under_the_gems_name_excludes_the_rails_scheme(
+    mysql_engine: Engine, mysql_url: URL, label: str, prefix: int | None
+) -> None:
+    name = rails_name(label)
+    gem_name = f"{'' if prefix is None else prefix}{name}"
+    gem = pymysql_connect(mysql_url)  # stands in for the Rails app's connection
+    try:
+        with gem.cursor() as cursor:
+            cursor.execute("SELECT GET_LOCK(%s, 0)", (gem_name,))
+            assert cursor.fetchone()[0] == 1
+            lock = advisory_lock(
+                mysql_engine, name, key_scheme="rails", key_prefix=prefix, timeout=0
+            )
+            assert lock.acquire() is False
+            cursor.execute("SELECT RELEASE_LOCK(%s)", (gem_name,))
+    finally:
+        gem.close()
+    with advisory_lock(mysql_engine, name, key_scheme="rails", key_prefix=prefix, timeout=0):
+        assert _admin_value(mysql_url, "SELECT IS_USED_LOCK(%s)", gem_name) is not None
+
+
+def test_a_rails_name_too_long_for_mysql_fails_before_get_lock(
+    mysql_engine: Engine, mysql_url: URL
+) -> None:
+    name = rails_name("Long") + "x" * 60
+    with mysql_engine.connect() as connection:
+        with pytest.raises(ValueError, match="at most 64"):
+            advisory_lock(connection, name, key_scheme="rails", timeout=0).acquire()
+        assert _admin_value(mysql_url, "SELECT IS_USED_LOCK(%s)", name) is None
+        # Nothing was recorded for the refused name: the connection locks on as before.
+        with advisory_lock(connection, rails_name("After"), key_scheme="rails", timeout=0):
+            pass
 
 
 def test_names_reach_the_server_as_parameters(mysql_engine: Engine, mysql_url: URL) -> None:

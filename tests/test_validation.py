@@ -18,8 +18,9 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
-from advisory_locks import advisory_lock, current_advisory_locks
+from advisory_locks import AdvisoryLockError, advisory_lock, current_advisory_locks
 from advisory_locks.sqlalchemy import SyncBind
+from tests.databases import psycopg_connect
 from tests.helpers import holder_pids, lock_rows, record_statements
 
 Admin = psycopg.Connection[TupleRow]
@@ -178,9 +179,30 @@ def test_bind_that_is_not_a_session_connection_or_engine_raises_type_error(bind:
         advisory_lock(bind, "a good name")
 
 
-def test_raw_driver_connection_is_not_a_bind(pg_admin: Admin) -> None:
+def test_a_raw_psycopg_connection_is_a_bind(pg_admin: Admin) -> None:
+    # Raw drivers are binds of their own (tests/test_raw_postgres.py covers them).
+    with advisory_lock(pg_admin, "a good name " + str(uuid.uuid4()), timeout=0) as lock:
+        assert lock.held
+
+
+def test_an_object_no_binding_understands_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"not builtins\.object"):
+        advisory_lock(object(), "a good name")
+
+
+def test_bad_input_on_a_raw_connection_fails_before_touching_it(postgres_url: URL) -> None:
+    # A closed connection answers any statement with an error of its own (ConnectionGone):
+    # the validation errors prove nothing reached it.
+    closed = psycopg_connect(postgres_url)
+    closed.close()
     with pytest.raises(TypeError):
-        advisory_lock(pg_admin, "a good name")  # type: ignore[call-overload]
+        advisory_lock(closed, b"bytes")  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match="timeout"):
+        advisory_lock(closed, "a good name", timeout=-1)
+    with pytest.raises(TypeError, match="shared"):
+        advisory_lock(closed, "a good name", shared="yes")  # type: ignore[call-overload]
+    with pytest.raises(AdvisoryLockError, match="closed"):
+        advisory_lock(closed, "a good name").acquire()
 
 
 def test_current_advisory_locks_of_a_non_bind_raises_type_error() -> None:

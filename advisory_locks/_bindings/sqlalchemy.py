@@ -171,6 +171,16 @@ class SQLAlchemyBinding:
         names: list[LockName] = _site_for(sync_bind(bind), transaction=False).held_names()
         return names
 
+    def lease_site(self, bind: Any) -> Any:
+        if sync_bind(bind) is not bind:
+            raise UnsupportedFeature(
+                "lease locks on asyncio binds are not available yet: pass the sync "
+                "Engine (async_engine.sync_engine) from a thread, or use an advisory lock"
+            )
+        from advisory_locks._bindings.sqlalchemy_lease import lease_site
+
+        return lease_site(bind)
+
 
 def _run_in_greenlet(site: Any) -> Any:
     # SQLAlchemy's asyncio binds run blocking DB-API code in a greenlet; the steps run
@@ -338,15 +348,19 @@ class AdaptedAsyncpgExecutor:
         adapter_begin_if_needed(self.connection, await_only)
         kind = statement.kind
         if kind == VALUE:
-            numbered = statement.sql
-            for position in range(1, len(statement.params) + 1):
-                numbered = numbered.replace("%s", f"${position}", 1)
-            return await_only(self._driver.fetchval(numbered, *statement.params))
+            return await_only(self._driver.fetchval(_numbered(statement.sql), *statement.params))
         if kind == SCRIPT:
             await_only(self._driver.execute(statement.sql))
             return None
         assert kind == ROWS
-        return [tuple(row) for row in await_only(self._driver.fetch(statement.sql))]
+        rows = await_only(self._driver.fetch(_numbered(statement.sql), *statement.params))
+        return [tuple(row) for row in rows]
+
+
+def _numbered(sql: str) -> str:
+    # asyncpg's placeholders are $1, $2, ...; a statement's text has "%s" only as those.
+    parts = sql.split("%s")
+    return parts[0] + "".join(f"${position}{part}" for position, part in enumerate(parts[1:], 1))
 
 
 class AdaptedPsycopgExecutor:
@@ -631,6 +645,14 @@ class EngineSite:
         return [
             name for borrow in list(_engine_borrows(self.engine)) for name in borrow.state.names()
         ]
+
+    def holds_anywhere(self, key: LockKey) -> bool:
+        """Whether a lock of this engine (any thread's) holds ``key``."""
+        return any(
+            holding.key.ints == key.ints
+            for borrow in list(_engine_borrows(self.engine))
+            for holding in list(borrow.state.holdings.values())
+        )
 
 
 class SharedEngineSite(EngineSite):

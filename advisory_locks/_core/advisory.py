@@ -129,14 +129,11 @@ class AdvisoryLock(LockContract):
     @property
     def held(self) -> bool:
         """Whether this object holds the lock (a transaction lock until its transaction ends)."""
-        holding = self._holding
-        return (
-            self._count > 0
-            and holding is not None
-            and holding.active
-            and self._borrowed is not None
-            and not self._borrowed.state.inherited
-        )
+        holding, borrowed = self._holding, self._borrowed
+        if not self._count or holding is None or borrowed is None:
+            return False
+        borrowed.state.observe()
+        return holding.active and not borrowed.state.inherited
 
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
@@ -162,6 +159,8 @@ class AdvisoryLock(LockContract):
     def acquire_steps(self) -> Steps[bool]:
         self._claim()
         holding = self._holding
+        if self._borrowed is not None:
+            self._borrowed.state.observe()
         if self._count and holding is not None and holding.active:
             self._count += 1
             holding.count += 1
@@ -186,6 +185,16 @@ class AdvisoryLock(LockContract):
                     "needed)"
                 )
             self._owner = owner
+
+    def _not_held(self) -> LockUsageError:
+        message = f"lock {self.name!r} is not held by this lock object"
+        held_elsewhere = getattr(self._site, "holds_anywhere", None)
+        if callable(held_elsewhere) and held_elsewhere(self.key_info):
+            return LockUsageError(
+                f"{message}: this process holds it through another lock object (another "
+                "thread's or connection's); release it through the object that acquired it"
+            )
+        return LockUsageError(f"{message}: acquire() it first (or it was already released)")
 
     def _acquire_once(self) -> Steps[bool]:
         options = self.options
@@ -233,7 +242,8 @@ class AdvisoryLock(LockContract):
     def release_steps(self) -> Steps[None]:
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
-            raise LockUsageError(f"lock {self.name!r} is not held by this object")
+            raise self._not_held()
+        borrowed.state.observe()
         self._count -= 1
         holding.count -= 1
         if self._count:
@@ -307,8 +317,9 @@ class AdvisoryLock(LockContract):
     def ensure_held_steps(self) -> Steps[None]:
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
-            raise LockUsageError(f"lock {self.name!r} is not held by this object")
+            raise self._not_held()
         state = borrowed.state
+        state.observe()
         if state.inherited:
             raise LockLost(
                 f"advisory lock {self.name!r} belongs to the process that took it (pid "

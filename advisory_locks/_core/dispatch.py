@@ -15,12 +15,22 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol, overload
 
 from advisory_locks._core.contract import LockOptions, Timeout
-from advisory_locks.keys import LockKey, LockName, derive_key
+from advisory_locks._core.lease import DEFAULT_TTL, LeaseLock, LeaseOptions, lease_name
+from advisory_locks.errors import UnsupportedFeature
+from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import psycopg
+    import psycopg_pool
     from sqlalchemy.engine import Connection, Engine
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
     from sqlalchemy.orm import Session
+
+    # Typed raw drivers (asyncpg and psycopg2 ship no types: their binds are Any).
+    SyncRawBind: TypeAlias = psycopg.Connection[Any] | psycopg_pool.ConnectionPool[Any]
+    AsyncRawBind: TypeAlias = psycopg.AsyncConnection[Any] | psycopg_pool.AsyncConnectionPool[Any]
 
     from advisory_locks._core.advisory import (
         AdvisoryLock,
@@ -35,14 +45,18 @@ __all__ = [
     "advisory_lock_set",
     "binding_for",
     "current_advisory_locks",
+    "lease_lock",
     "register_binding",
 ]
 
 # The binding modules to import for a bind whose class comes from this top-level package.
 BINDING_MODULES: Final[dict[str, tuple[str, ...]]] = {
     "sqlalchemy": ("advisory_locks._bindings.sqlalchemy",),
-    "psycopg": ("advisory_locks._bindings.psycopg",),
-    "psycopg_pool": ("advisory_locks._bindings.psycopg",),
+    "psycopg": ("advisory_locks._bindings.psycopg", "advisory_locks._bindings.psycopg_async"),
+    "psycopg_pool": (
+        "advisory_locks._bindings.psycopg",
+        "advisory_locks._bindings.psycopg_async",
+    ),
     "psycopg2": ("advisory_locks._bindings.psycopg2",),
     "asyncpg": ("advisory_locks._bindings.asyncpg",),
     "pymysql": ("advisory_locks._bindings.mysql",),
@@ -116,26 +130,26 @@ def _registered_for(cls: type) -> Binding | None:
 
 @overload
 def advisory_lock(
-    bind: Session | Connection | Engine,
+    bind: Session | Connection | Engine | SyncRawBind,
     name: LockName,
     *,
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLock: ...
 
 
 @overload
 def advisory_lock(
-    bind: AsyncSession | AsyncConnection | AsyncEngine,
+    bind: AsyncSession | AsyncConnection | AsyncEngine | AsyncRawBind,
     name: LockName,
     *,
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AsyncAdvisoryLock: ...
 
@@ -148,7 +162,7 @@ def advisory_lock(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLock | AsyncAdvisoryLock: ...
 
@@ -160,7 +174,7 @@ def advisory_lock(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLock | AsyncAdvisoryLock:
     """A named lock held by the database behind ``bind``.
@@ -168,34 +182,31 @@ def advisory_lock(
     Use it as ``with advisory_lock(...)`` (``async with`` for an async bind), or call
     ``acquire()`` / ``release()``. Nothing is sent to the server until it is acquired.
 
-    Args:
-        bind: where the lock lives. A SQLAlchemy ``Session``, ``Connection`` or ``Engine``
-            (or their asyncio versions); a psycopg 3 ``Connection`` / ``AsyncConnection``
-            or ``psycopg_pool`` pool; an asyncpg ``Connection`` or ``Pool``; a psycopg2,
-            PyMySQL, mysqlclient or ``sqlite3`` connection. A pool or Engine lends each
-            lock its own connection until the lock is released.
-        name: a non-empty ``str`` (hashed to a key by ``key_scheme``), an ``int`` (a signed
-            64-bit key, used as is) or an ``(int, int)`` pair (two signed 32-bit keys).
-        timeout: ``None`` waits until granted, ``0`` tries once and never waits, ``t > 0``
-            lets the server wait at most ``t`` seconds.
-        shared: take a shared (reader) lock instead of an exclusive one (PostgreSQL and
-            SQLite; elsewhere ``UnsupportedFeature``).
-        transaction: hold the lock until the surrounding transaction ends (PostgreSQL);
-            refused where there is no transaction (an ``Engine``, a pool, an autocommit
-            connection).
-        key_scheme: how a ``str`` name becomes a key: ``"sha256"`` (default), ``"pglock"``,
-            ``"rails"``, ``"hashtext"``, or a callable ``name -> int | (int, int)``;
-            default ``$ADVISORY_LOCKS_KEY_SCHEME``.
-        key_prefix: a namespace for ``str`` names; default ``$ADVISORY_LOCKS_PREFIX``.
+    :param bind: where the lock lives. A SQLAlchemy ``Session``, ``Connection`` or ``Engine``
+        (or their asyncio versions); a psycopg 3 ``Connection`` / ``AsyncConnection``
+        or ``psycopg_pool`` pool; an asyncpg ``Connection`` or ``Pool``; a psycopg2,
+        PyMySQL, mysqlclient or ``sqlite3`` connection. A pool or Engine lends each
+        lock its own connection until the lock is released.
+    :param name: a non-empty ``str`` (hashed to a key by ``key_scheme``), an ``int`` (a signed
+        64-bit key, used as is) or an ``(int, int)`` pair (two signed 32-bit keys).
+    :param timeout: ``None`` waits until granted, ``0`` tries once and never waits, ``t > 0``
+        lets the server wait at most ``t`` seconds.
+    :param shared: take a shared (reader) lock instead of an exclusive one (PostgreSQL and
+        SQLite; elsewhere ``UnsupportedFeature``).
+    :param transaction: hold the lock until the surrounding transaction ends (PostgreSQL);
+        refused where there is no transaction (an ``Engine``, a pool, an autocommit
+        connection).
+    :param key_scheme: how a ``str`` name becomes a key: ``"sha256"`` (default), ``"pglock"``,
+        ``"rails"``, ``"hashtext"``, or a callable ``name -> int | (int, int)``;
+        default ``$ADVISORY_LOCKS_KEY_SCHEME``.
+    :param key_prefix: a namespace for ``str`` names; default ``$ADVISORY_LOCKS_PREFIX``.
 
-    Returns:
-        An ``AdvisoryLock``, or an ``AsyncAdvisoryLock`` for an async bind.
+    :returns: An ``AdvisoryLock``, or an ``AsyncAdvisoryLock`` for an async bind.
 
-    Raises:
-        TypeError: a name, bind or flag of the wrong type, before any SQL.
-        ValueError: an empty name, an out-of-range key or a negative timeout.
-        UnsupportedFeature: ``transaction=True`` without a transaction, or a mode the
-            database cannot provide.
+    :raises TypeError: a name, bind or flag of the wrong type, before any SQL.
+    :raises ValueError: an empty name, an out-of-range key or a negative timeout.
+    :raises UnsupportedFeature: ``transaction=True`` without a transaction, or a mode the
+        database cannot provide.
     """
     key = derive_key(name, scheme=key_scheme, prefix=key_prefix)
     options = LockOptions(timeout=timeout, shared=shared, transaction=transaction)
@@ -205,26 +216,26 @@ def advisory_lock(
 
 @overload
 def advisory_lock_set(
-    bind: Session | Connection | Engine,
+    bind: Session | Connection | Engine | SyncRawBind,
     names: Iterable[LockName],
     *,
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLockSet: ...
 
 
 @overload
 def advisory_lock_set(
-    bind: AsyncSession | AsyncConnection | AsyncEngine,
+    bind: AsyncSession | AsyncConnection | AsyncEngine | AsyncRawBind,
     names: Iterable[LockName],
     *,
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AsyncAdvisoryLockSet: ...
 
@@ -237,7 +248,7 @@ def advisory_lock_set(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLockSet | AsyncAdvisoryLockSet: ...
 
@@ -249,23 +260,21 @@ def advisory_lock_set(
     timeout: Timeout = None,
     shared: bool = False,
     transaction: bool = False,
-    key_scheme: str | None = None,
+    key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> AdvisoryLockSet | AsyncAdvisoryLockSet:
     """Several locks taken in key order, so overlapping sets never deadlock.
 
-    Args:
-        bind: as for [advisory_lock][advisory_locks.advisory_lock]; every lock of the set
-            runs on one connection.
-        names: the lock names (duplicates are taken once).
-        timeout: bounds the whole acquisition, not each lock.
-        shared: as for ``advisory_lock``, for every lock of the set.
-        transaction: as for ``advisory_lock``, for every lock of the set.
-        key_scheme: as for ``advisory_lock``.
-        key_prefix: as for ``advisory_lock``.
+    :param bind: as for [advisory_lock][advisory_locks.advisory_lock]; every lock of the set
+        runs on one connection.
+    :param names: the lock names (duplicates are taken once).
+    :param timeout: bounds the whole acquisition, not each lock.
+    :param shared: as for ``advisory_lock``, for every lock of the set.
+    :param transaction: as for ``advisory_lock``, for every lock of the set.
+    :param key_scheme: as for ``advisory_lock``.
+    :param key_prefix: as for ``advisory_lock``.
 
-    Returns:
-        An ``AdvisoryLockSet``, or an ``AsyncAdvisoryLockSet`` for an async bind.
+    :returns: An ``AdvisoryLockSet``, or an ``AsyncAdvisoryLockSet`` for an async bind.
     """
     if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
         raise TypeError(f"names must be a collection of lock names, not {type(names).__name__}")
@@ -278,7 +287,59 @@ def advisory_lock_set(
 def current_advisory_locks(bind: object) -> list[LockName]:
     """Names of the locks this library holds through ``bind`` (in this process).
 
-    Args:
-        bind: any bind ``advisory_lock`` accepts.
+    :param bind: any bind ``advisory_lock`` accepts.
     """
     return binding_for(bind).held_names(bind)
+
+
+def lease_lock(
+    bind: object,
+    name: str,
+    *,
+    ttl: float = DEFAULT_TTL,
+    renew_every: float | None = None,
+    timeout: Timeout = None,
+    key_prefix: str | int | None = None,
+) -> LeaseLock:
+    """A lease lock: a row of ``advisory_locks_lease`` held until it expires unless
+    renewed, with a fencing token. Unlike an advisory lock it belongs to no connection,
+    so it can be held through a transaction pooler and across a long job without pinning
+    a connection. Nothing is sent to the database until it is acquired.
+
+    Use it as ``with lease_lock(...) as lease:`` or call ``acquire()`` / ``release()``.
+    While held, the process's renewer thread extends it every ``renew_every`` seconds.
+
+    Args:
+        bind: a SQLAlchemy ``Engine``, ``Session`` or ``Connection``; its Engine's pool
+            lends each lease statement a connection and takes it back at once.
+        name: a non-empty ``str`` (with its prefix, at most 255 characters); the same
+            name is the same lease for every process and ORM using the database.
+        ttl: seconds the lease lasts after each acquire or renewal, by the database's
+            clock; a holder that stops renewing (crash, pause) loses it this long after
+            its last renewal.
+        renew_every: seconds between renewals; default ``ttl / 3``. Must be below
+            ``ttl`` minus a safety margin of ``ttl / 10``.
+        timeout: ``None`` waits until the lease is free, ``0`` tries once, ``t > 0`` waits
+            at most ``t`` seconds.
+        key_prefix: a namespace put before ``name``; default ``$ADVISORY_LOCKS_PREFIX``.
+
+    Returns:
+        A ``LeaseLock``.
+
+    Raises:
+        TypeError: a name or option of the wrong type, before any SQL.
+        ValueError: an empty or too long name, ``ttl <= 0``, NaN, or ``renew_every`` not
+            below ``ttl`` minus the margin, before any SQL.
+        UnsupportedFeature: a bind that cannot hold leases (an asyncio bind, for now).
+        LeaseTableMissing: (at acquire) the database has no ``advisory_locks_lease``.
+    """
+    stored_name = lease_name(name, key_prefix)
+    options = LeaseOptions(ttl=ttl, renew_every=renew_every, timeout=timeout)
+    binding = binding_for(bind)
+    make_site = getattr(binding, "lease_site", None)
+    if make_site is None:
+        raise UnsupportedFeature(
+            f"lease locks are not available for {type(bind).__name__} binds yet; pass a "
+            "SQLAlchemy Engine, Session or Connection"
+        )
+    return LeaseLock(make_site(bind), name, stored_name, options)

@@ -37,7 +37,8 @@ VALUE: Final = 0
 SCRIPT: Final = 1
 """Run several ``;``-separated statements without parameters in one round trip."""
 ROWS: Final = 2
-"""Run one statement; all rows as tuples."""
+"""Run one statement (with ``%s`` placeholders if it has parameters); all rows as tuples
+(none for a statement that returns no result)."""
 
 
 class Statement:

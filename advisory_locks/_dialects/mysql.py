@@ -19,11 +19,19 @@ from collections.abc import Hashable
 from typing import Any, Final
 
 from advisory_locks._core.contract import Timeout
-from advisory_locks._core.steps import ROWS, VALUE, Statement
-from advisory_locks._dialects.base import SERVER_VERSION_STATE, LockedRow, StatementSteps
+from advisory_locks._core.executors import protocol_session_id
+from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
+from advisory_locks._dialects.base import (
+    SERVER_VERSION_STATE,
+    WAIT_CANCELLED_STATE,
+    LockedRow,
+    StatementSteps,
+)
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockDeadlock,
+    LockTimeout,
+    UnsupportedDatabase,
     UnsupportedFeature,
 )
 from advisory_locks.keys import LockKey
@@ -55,8 +63,9 @@ SHARED_REFUSED: Final = (
 )
 TRANSACTION_REFUSED: Final = (
     "MySQL and MariaDB have no transaction-scoped named locks: COMMIT and ROLLBACK do not "
-    "release GET_LOCK. Take a session lock (transaction=False) around the transaction "
-    "instead: `with advisory_lock(session, name): ... session.commit()`"
+    "release GET_LOCK. Take a session lock (transaction=False) that spans the whole "
+    "transaction instead: acquire it before the transaction begins and release it after "
+    "the commit or rollback"
 )
 
 # performance_schema lists user locks on MySQL 5.7+ and on MariaDB with it switched on;
@@ -93,13 +102,19 @@ NO_LOCK_SOURCE: Final = (
 def server_lock_name(key: LockKey) -> str:
     """The name ``GET_LOCK`` sees for a lock name (and its prefix); at most 64 characters.
 
-    - text (prefix + name) of lower-case ASCII letters, digits and ``_.:/@-``, at most
-      64 characters: itself, so other MySQL clients can use the same lock;
+    - a text name under the ``rails`` key scheme: prefix + name, as is, the name the Ruby
+      ``with_advisory_lock`` gem sends, so the gem and this library take one lock for
+      every name the gem can lock. The server's rules apply as they do to the gem's
+      names (MySQL compares them case-insensitively, MariaDB case-sensitively). Text
+      over MySQL's 64-character limit, which the gem cannot lock there, raises
+      ``ValueError`` before any SQL, on MariaDB too;
+    - other text (prefix + name) of lower-case ASCII letters, digits and ``_.:/@-``, at
+      most 64 characters: itself, so other MySQL clients can use the same lock;
     - any other text: its first 31 characters with unusual characters replaced by ``_``,
       ``#``, and the first 32 hex digits of SHA-256 of the UTF-8 text. A readable name
       never contains ``#``, so the two forms cannot collide, and the hash keeps names
       that differ only in case apart even on a server that ignores case;
-    - an integer: ``#int:<n>``; a pair: ``#pair:<a>:<b>``.
+    - an integer: ``#int:<n>``; a pair: ``#pair:<a>:<b>`` (whatever the scheme).
     """
     name = key.name
     if isinstance(name, tuple):
@@ -107,11 +122,27 @@ def server_lock_name(key: LockKey) -> str:
     if isinstance(name, int):
         return f"#int:{name}"
     text = key.prefix + name
+    if key.scheme == "rails":
+        return _rails_lock_name(text)
     if READABLE.fullmatch(text):
         return text
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:HASH_HEX_CHARS]
     readable = UNREADABLE_CHAR.sub("_", text[: MAX_NAME_CHARS - HASH_HEX_CHARS - 1])
     return f"{readable}#{digest}"
+
+
+def _rails_lock_name(text: str) -> str:
+    # MySQL refuses longer names (error 3057), so the gem fails on them; MariaDB takes up
+    # to 192 bytes, but one limit on both servers keeps a name that works on one working
+    # on the other. Hashing instead would take a lock the gem never could, silently.
+    if len(text) > MAX_NAME_CHARS:
+        raise ValueError(
+            f"the rails key scheme sends {text[:20]!r}... to GET_LOCK as is, as the "
+            f"with_advisory_lock gem does, and it is {len(text)} characters long: MySQL "
+            f"takes at most {MAX_NAME_CHARS}, so the gem cannot lock it either. Use a "
+            "shorter name, or another key scheme (which hashes long names)"
+        )
+    return text
 
 
 class MySQLBackend:
@@ -159,6 +190,11 @@ class MySQLBackend:
             raise
         if granted is None:
             # NULL: the wait ended in an error the server did not raise (killed query).
+            cancelled = state.get(WAIT_CANCELLED_STATE)
+            if cancelled is not None and cancelled.is_set():
+                raise LockTimeout(
+                    f"waiting for named lock {key.name!r} was canceled", name=key.name
+                )
             raise AdvisoryLockError(
                 f"GET_LOCK for {key.name!r} returned NULL: the wait was interrupted"
             )
@@ -195,6 +231,19 @@ class MySQLBackend:
             raise UnsupportedFeature(NO_LOCK_SOURCE)
         rows = yield Statement(ROWS, sql)
         return [_locked_row(row) for row in rows]
+
+    def cancel_wait(self, state: dict[str, Any], driver_connection: Any) -> StatementSteps[None]:
+        # MySQL has no cancel request in its protocol: another session kills the waiting
+        # statement (GET_LOCK then returns NULL). KILL QUERY reaching a session that has
+        # already finished the statement does nothing to its next one (MariaDB 10.11).
+        connection_id = protocol_session_id(driver_connection)
+        if connection_id is None:
+            raise UnsupportedDatabase(
+                f"cannot tell which server session {type(driver_connection).__name__} "
+                "waits in, so its wait cannot be cancelled"
+            )
+        # The id is the server's integer, never caller text; KILL takes no parameters.
+        yield Statement(SCRIPT, f"KILL QUERY {int(connection_id)}")
 
     def is_connection_failure(self, error: BaseException) -> bool:
         if error_code(error) in CONNECTION_GONE:

@@ -6,6 +6,7 @@ versions) and sent as integer literals or parameters; lock names never reach the
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Hashable
@@ -13,6 +14,7 @@ from functools import cache
 from typing import Any, Final
 
 from advisory_locks._core.contract import Timeout
+from advisory_locks._core.executors import protocol_session_id
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
 from advisory_locks._dialects.base import LockedRow, StatementSteps
 from advisory_locks.errors import (
@@ -34,6 +36,9 @@ QUERY_CANCELED: Final = "57014"
 OUT_OF_SHARED_MEMORY: Final = "53200"
 IN_FAILED_TRANSACTION: Final = "25P02"
 CONNECTION_GONE: Final = frozenset({"57P01", "57P02", "57P03", "25P03"})
+CONNECTION_FAILURE_CLASSES: Final = frozenset(
+    {"OperationalError", "InterfaceError", "ConnectionDoesNotExistError"}
+)
 
 SAVEPOINT: Final = "advisory_locks_acquire"
 TIMEOUT_LOCK_SQL: Final = (
@@ -216,13 +221,39 @@ class PostgresBackend:
             )
         return rows
 
+    def cancel_wait(self, state: dict[str, Any], driver_connection: Any) -> StatementSteps[None]:
+        # The protocol's cancel request (a separate short connection libpq opens with the
+        # session's secret key): it reaches the right backend through a session pooler
+        # too. The wait fails with 57014, which acquire() turns into LockTimeout after
+        # giving back a grant made in the same instant.
+        cancel = getattr(driver_connection, "cancel_safe", None)  # psycopg >= 3.2
+        if not callable(cancel) or inspect.iscoroutinefunction(cancel):
+            cancel = getattr(driver_connection, "cancel", None)  # psycopg2, older psycopg
+        if callable(cancel) and not inspect.iscoroutinefunction(cancel):
+            cancel()
+            return
+        # Drivers without a blocking cancel call: ask the server from another connection.
+        backend_pid = protocol_session_id(driver_connection)
+        if backend_pid is None:
+            raise UnsupportedDatabase(
+                f"cannot tell which server session {type(driver_connection).__name__} "
+                "waits in, so its wait cannot be cancelled"
+            )
+        yield Statement(VALUE, "SELECT pg_catalog.pg_cancel_backend(%s)", (backend_pid,))
+
     def is_connection_failure(self, error: BaseException) -> bool:
         code = sqlstate_of(error)
         if code is not None:
             return code.startswith("08") or code in CONNECTION_GONE
-        # Drivers report a socket that closed under them without any SQLSTATE.
-        names = {cls.__name__ for cls in type(error).__mro__}
-        return bool(names & {"OperationalError", "InterfaceError", "ConnectionDoesNotExistError"})
+        # Drivers report a socket that closed under them without any SQLSTATE: psycopg 3
+        # and psycopg2 as OperationalError, asyncpg as InterfaceError ("connection is
+        # closed", or released back to its pool) or ConnectionDoesNotExistError (08003,
+        # caught above). A binding may have wrapped it (SQLAlchemy's DBAPIError keeps it in
+        # ``orig``, the raw bindings raise a typed error from it).
+        return any(
+            {cls.__name__ for cls in type(seen).__mro__} & CONNECTION_FAILURE_CLASSES
+            for seen in _error_chain(error)
+        )
 
     def is_failed_transaction(self, error: BaseException) -> bool:
         return sqlstate_of(error) == IN_FAILED_TRANSACTION
@@ -230,16 +261,22 @@ class PostgresBackend:
 
 def sqlstate_of(error: BaseException) -> str | None:
     """The SQLSTATE of a driver error, looking through SQLAlchemy/adapter wrappers."""
-    seen: BaseException | None = error
-    for _ in range(4):
-        if seen is None:
-            return None
+    for seen in _error_chain(error):
         for attribute in ("sqlstate", "pgcode"):
             code = getattr(seen, attribute, None)
             if isinstance(code, str) and code:
                 return code
-        seen = getattr(seen, "orig", None) or seen.__cause__
     return None
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and what it wraps (``orig`` of SQLAlchemy's errors, ``__cause__``)."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = error
+    while seen is not None and len(chain) < 4:
+        chain.append(seen)
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return chain
 
 
 def _give_back_late_grant(key: LockKey, *, shared: bool) -> Statement:

@@ -4,7 +4,14 @@ Every test in tests/contract takes a ``target``: one database reached through on
 binding. Databases: PostgreSQL and MariaDB (the servers of tests/databases.py) and
 SQLite (a file in the test's temporary directory, or the Django alias's file). Bindings:
 SQLAlchemy (a Session per client) and Django (a thread per client, since Django gives
-each thread its own connection to an alias).
+each thread its own connection to an alias); on PostgreSQL also the raw drivers: a
+psycopg 3 or psycopg2 connection per client (not in autocommit, as DB-API makes them),
+and an asyncpg pool connection per client, driven from an event loop in a thread of its
+own (``async with pool.acquire() as conn``, transaction locks in ``conn.transaction()``).
+
+A raw client's connection is the caller's, made before any lock: for those legs
+``statements`` records ``<connect>`` when the first statement reaches the server through
+it, so "fails before connecting" reads "fails before any SQL".
 
 A test sees the database only through the target: ``target.client()`` gives a client on
 its own connection, ``target.waiting(name)`` says whether the server (or, for SQLite, the
@@ -14,6 +21,7 @@ starts another process that takes the lock and keeps it until it is killed.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -41,6 +49,9 @@ from tests.helpers import lock_rows
 
 DATABASES = ("postgresql", "mariadb", "sqlite")
 BINDINGS = ("sqlalchemy", "django")
+# Raw driver legs, per database (MySQL/MariaDB and sqlite3 legs come with their bindings).
+RAW_BINDINGS: dict[str, tuple[str, ...]] = {"postgresql": ("psycopg", "psycopg2", "asyncpg")}
+RAW_CLIENT_THREAD_PREFIX = "contract-asyncpg-loop"
 # The aliases of tests/django_settings.py the Django binding locks on.
 DJANGO_ALIASES = {"postgresql": "default", "mariadb": "mysql", "sqlite": "sqlite"}
 CLIENT_THREAD_PREFIX = "contract-django-client"
@@ -62,6 +73,14 @@ from sqlalchemy import create_engine
 from advisory_locks import advisory_lock
 engine = create_engine(sys.argv[1])
 with engine.connect() as connection, advisory_lock(connection, sys.argv[2]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+RAW_HOLDER_SCRIPT = """
+import sys
+import psycopg
+from advisory_locks import advisory_lock
+with psycopg.connect(sys.argv[1]) as connection, advisory_lock(connection, sys.argv[2]):
     print("held", flush=True)
     sys.stdin.read()
 """
@@ -144,6 +163,175 @@ class DjangoClient:
             self._thread.shutdown(wait=True)
 
 
+class RawClient:
+    """A raw psycopg 3 or psycopg2 connection, as DB-API makes it (not in autocommit)."""
+
+    def __init__(self, driver: str, dsn: str, statements: list[str]) -> None:
+        self.connection = _raw_connect(driver, dsn, statements)
+
+    def lock(self, name: object, **options: Any) -> Any:
+        return advisory_lock(self.connection, name, **options)  # type: ignore[call-overload]
+
+    def _transaction(self, roll_back: bool) -> None:
+        cursor = self.connection.cursor()
+        cursor.execute("SELECT 1")
+        cursor.close()
+        if roll_back:
+            self.connection.rollback()
+        else:
+            self.connection.commit()
+
+    def commit(self) -> None:
+        self._transaction(False)
+
+    def rollback(self) -> None:
+        self._transaction(True)
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def _raw_connect(driver: str, dsn: str, statements: list[str]) -> Any:
+    """A connection that records ``<connect>`` when its first statement is sent."""
+
+    def first_statement() -> None:
+        if not sent:
+            sent.append(True)
+            statements.append("<connect>")
+
+    sent: list[bool] = []
+    if driver == "psycopg":
+        import psycopg
+
+        class Recording(psycopg.Cursor[Any]):
+            def execute(self, *args: Any, **kwargs: Any) -> Any:
+                first_statement()
+                return super().execute(*args, **kwargs)
+
+        connection: Any = psycopg.connect(dsn, cursor_factory=Recording)
+        return connection
+    import psycopg2
+    import psycopg2.extensions
+
+    class Recording2(psycopg2.extensions.cursor):  # type: ignore[misc]
+        def execute(self, *args: Any, **kwargs: Any) -> Any:
+            first_statement()
+            return super().execute(*args, **kwargs)
+
+    return psycopg2.connect(dsn, cursor_factory=Recording2)
+
+
+class AsyncpgClient:
+    """An asyncpg pool connection, held the way a FastAPI handler holds one; every call
+    runs as a coroutine on an event loop in a thread of its own."""
+
+    def __init__(self, dsn: str, statements: list[str]) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=RAW_CLIENT_THREAD_PREFIX, daemon=True
+        )
+        self._thread.start()
+        self._statements = statements
+        self._sent = False
+        self.pool, self.connection = self.run(self._open(dsn))
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(
+            timeout=CALL_TIMEOUT_SECONDS
+        )
+
+    async def _open(self, dsn: str) -> tuple[Any, Any]:
+        import asyncpg
+
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+        connection = await pool.acquire()
+        connection.add_query_logger(self._logged)
+        return pool, connection
+
+    def _logged(self, record: Any) -> None:
+        if not self._sent:
+            self._sent = True
+            self._statements.append("<connect>")
+
+    def lock(self, name: object, **options: Any) -> AsyncpgLock:
+        return AsyncpgLock(self, advisory_lock(self.connection, name, **options))  # type: ignore[call-overload]
+
+    def _transaction(self, roll_back: bool) -> None:
+        async def run() -> None:
+            transaction = self.connection.transaction()
+            await transaction.start()
+            await self.connection.execute("SELECT 1")
+            await (transaction.rollback() if roll_back else transaction.commit())
+
+        self.run(run())
+
+    def commit(self) -> None:
+        self._transaction(False)
+
+    def rollback(self) -> None:
+        self._transaction(True)
+
+    def close(self) -> None:
+        async def close() -> None:
+            await self.pool.release(self.connection)
+            await self.pool.close()
+
+        try:
+            self.run(close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+
+
+class AsyncpgLock:
+    """An asyncpg lock driven from the test's thread; a transaction lock gets the
+    ``conn.transaction()`` it needs, committed after the lock's block."""
+
+    def __init__(self, client: AsyncpgClient, lock: Any) -> None:
+        self._client = client
+        self._lock = lock
+        self._transaction: Any = None
+
+    def acquire(self) -> bool:
+        return bool(self._client.run(self._acquire()))
+
+    async def _acquire(self) -> bool:
+        if self._lock._lock.transaction and not self._client.connection.is_in_transaction():
+            self._transaction = self._client.connection.transaction()
+            await self._transaction.start()
+        try:
+            granted = await self._lock.acquire()
+        except BaseException:
+            await self._end_transaction()
+            raise
+        if not granted:
+            await self._end_transaction()
+        return bool(granted)
+
+    async def _end_transaction(self) -> None:
+        transaction, self._transaction = self._transaction, None
+        if transaction is not None:
+            await transaction.commit()
+
+    def release(self) -> None:
+        async def release() -> None:
+            try:
+                await self._lock.release()
+            finally:
+                await self._end_transaction()
+
+        self._client.run(release())
+
+    def __enter__(self) -> AsyncpgLock:
+        if not self.acquire():
+            raise self._lock._not_acquired()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+
 class LockInThread:
     """A Django lock whose every operation runs in its client's thread."""
 
@@ -178,6 +366,10 @@ class Target:
     engines: list[Engine] = field(default_factory=list)
     statements: list[str] = field(default_factory=list)
 
+    @property
+    def raw_driver(self) -> str | None:
+        return None if self.binding in BINDINGS else self.binding
+
     def engine(self) -> Engine:
         engine = create_engine(self.url)
         self.engines.append(engine)
@@ -189,10 +381,15 @@ class Target:
         return engine
 
     @contextlib.contextmanager
-    def client(self) -> Iterator[Client | DjangoClient]:
-        client: Client | DjangoClient
+    def client(self) -> Iterator[Client | DjangoClient | RawClient | AsyncpgClient]:
+        client: Client | DjangoClient | RawClient | AsyncpgClient
+        dsn = self.url.set(drivername="postgresql").render_as_string(hide_password=False)
         if self.django_alias is not None:
             client = DjangoClient(self.django_alias)
+        elif self.binding == "asyncpg":
+            client = AsyncpgClient(dsn, self.statements)
+        elif self.raw_driver is not None:
+            client = RawClient(self.raw_driver, dsn, self.statements)
         else:
             client = Client(self.engine())
         try:
@@ -220,6 +417,9 @@ class Target:
     def hold_in_process(self, name: str) -> Iterator[subprocess.Popen[str]]:
         if self.django_database is not None:
             command = [DJANGO_HOLDER_SCRIPT, json.dumps(self.django_database), name]
+        elif self.raw_driver is not None:
+            dsn = self.url.set(drivername="postgresql").render_as_string(hide_password=False)
+            command = [RAW_HOLDER_SCRIPT, dsn, name]
         else:
             command = [HOLDER_SCRIPT, self.url.render_as_string(False), name]
         holder = subprocess.Popen(
@@ -296,7 +496,13 @@ def _database_url(request: pytest.FixtureRequest, database: str, tmp_path: Path)
     return url
 
 
-@pytest.fixture(params=[(d, b) for d in DATABASES for b in BINDINGS], ids="-".join)
+@pytest.fixture(
+    params=[
+        *((d, b) for d in DATABASES for b in BINDINGS),
+        *((d, b) for d, raw in RAW_BINDINGS.items() for b in raw),
+    ],
+    ids="-".join,
+)
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
     database, binding = request.param
     url = _database_url(request, database, tmp_path)

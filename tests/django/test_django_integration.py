@@ -238,7 +238,7 @@ def test_key_prints_the_key_the_server_sees() -> None:
 def test_key_uses_the_configured_scheme_and_prefix() -> None:
     with override_settings(ADVISORY_LOCKS={"KEY_SCHEME": "rails", "KEY_PREFIX": 7}):
         first_line = _command("key", "test").splitlines()[0]
-    assert first_line == "1484750348 7"
+    assert first_line == "1484750348, 7"
 
 
 def test_list_shows_a_lock_held_by_another_connection_with_its_name() -> None:

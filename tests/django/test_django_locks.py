@@ -10,6 +10,7 @@ from django.db import connection, transaction
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 
+from advisory_locks import LockUsageError
 from advisory_locks_django import (
     LockLost,
     LockNotAcquired,
@@ -259,3 +260,9 @@ def test_each_thread_locks_on_its_own_connection(admin: Admin) -> None:
     finally:
         barrier.wait()
     holder.get()
+
+
+def test_releasing_another_threads_lock_by_name_says_it_is_held_elsewhere(admin: Admin) -> None:
+    name = unique_name()
+    with advisory_lock(name), pytest.raises(LockUsageError, match="another lock object"):
+        in_thread(lambda: advisory_lock(name).release())

@@ -20,7 +20,7 @@ from django.core.signals import request_finished
 from django.db import connections
 from sqlalchemy.engine import URL
 
-from advisory_locks import LockLost
+from advisory_locks import LockLost, UnsupportedFeature
 from advisory_locks._dialects.mysql import server_lock_name
 from advisory_locks.keys import derive_key, lock_key
 from advisory_locks_django import advisory_lock
@@ -156,3 +156,20 @@ def test_a_sqlite_lock_outlives_commits_on_its_django_connection(sqlite_alias: s
         with transaction.atomic(using=sqlite_alias):
             connections[sqlite_alias].cursor().execute("CREATE TABLE t (x)")
         assert not _free_in_another_thread(name, sqlite_alias)
+
+
+# -- what the refusals say ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alias_fixture", ["mysql_alias", "sqlite_alias"])
+def test_refusing_a_transaction_lock_speaks_no_sqlalchemy(
+    alias_fixture: str, request: pytest.FixtureRequest
+) -> None:
+    # The advice must make sense to a Django user: no Session, no session.commit().
+    alias = request.getfixturevalue(alias_fixture)
+    with pytest.raises(UnsupportedFeature) as refused:
+        advisory_lock(unique_name(), using=alias, transaction=True).acquire()
+    message = str(refused.value)
+    assert "transaction=False" in message
+    assert "session." not in message
+    assert "advisory_lock(session" not in message

@@ -19,6 +19,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 from advisory_locks._core.steps import on, run_steps
 from advisory_locks._monitoring import (
+    key_arguments,
     key_details,
     key_document,
     lock_document,
@@ -92,7 +93,7 @@ class Command(BaseCommand):
         if options["json"]:
             self.stdout.write(json.dumps(key_document(key, scheme, shown_prefix)))
         else:
-            self.stdout.write(" ".join(str(part) for part in key.ints))
+            self.stdout.write(key_arguments(key))
             self.stdout.write(key_details(key, scheme or "default", shown_prefix), ending="")
 
     def _list(self, options: dict[str, Any]) -> None:

@@ -1,0 +1,64 @@
+"""Every private asyncpg API the asyncpg binding uses, each with the versions it was
+checked against (asyncpg 0.29, 0.30, 0.31 and 0.32).
+
+asyncpg's pool hands out ``PoolConnectionProxy`` objects and runs ``Connection.reset()``
+(which includes ``pg_advisory_unlock_all()``) when one comes back; nothing public tells
+that a connection went back, or which connection a proxy stands for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from asyncpg.connection import Connection
+from asyncpg.pool import PoolConnectionProxy
+
+__all__ = [
+    "CHECKED_VERSIONS",
+    "missing_private_apis",
+    "physical_connection",
+    "pool_of",
+    "release_count",
+]
+
+CHECKED_VERSIONS: Final = ("0.29", "0.30", "0.31", "0.32")
+
+
+def physical_connection(bind: Any) -> Any:
+    """The ``Connection`` a pool proxy stands for (None once released), or ``bind``.
+
+    ``PoolConnectionProxy._con``: set at ``pool.acquire()``, None after release.
+    """
+    if isinstance(bind, PoolConnectionProxy):
+        return bind._con
+    return bind
+
+
+def release_count(connection: Any) -> int:
+    """How many times the connection went back to its pool.
+
+    ``Connection._pool_release_ctr``: ``Pool.release()`` increments it (through
+    ``Connection._on_release()``) before the pool resets the session.
+    """
+    count: int = connection._pool_release_ctr
+    return count
+
+
+def pool_of(bind: Any) -> Any:
+    """The pool a proxy was checked out of (``PoolConnectionProxy._holder._pool``)."""
+    if isinstance(bind, PoolConnectionProxy):
+        holder = bind._holder
+        return getattr(holder, "_pool", None)
+    return None
+
+
+def missing_private_apis() -> list[str]:
+    """The private names above that this asyncpg does not have (tested empty)."""
+    missing = []
+    if "_con" not in getattr(PoolConnectionProxy, "__slots__", ()):
+        missing.append("PoolConnectionProxy._con")
+    if "_holder" not in getattr(PoolConnectionProxy, "__slots__", ()):
+        missing.append("PoolConnectionProxy._holder")
+    if "_pool_release_ctr" not in getattr(Connection, "__slots__", ()):
+        missing.append("Connection._pool_release_ctr")
+    return missing

@@ -1,0 +1,810 @@
+"""Raw driver connections and pools as binds: what every raw binding shares.
+
+A raw binding (psycopg, asyncpg, psycopg2, and the MySQL and sqlite3 drivers) is a small
+``RawDriver`` subclass that says how its connections look: closed or not, their
+transaction status, autocommit, how to run a statement, how to discard one. Everything
+else is here, written once for blocking and asyncio drivers alike (the preparation of a
+borrow is steps, run by ``run_steps`` or awaited by ``arun_steps``):
+
+- ``ConnectionSite``: locks on a connection the caller owns. Its ``RawConnectionState``
+  (re-entrancy counts, the server check) is kept per physical driver connection in a
+  ``WeakKeyDictionary``, so it lives exactly as long as that connection.
+- ``PoolSite``: a pool bind checks a connection out per lock, like an Engine, in
+  autocommit, and returns it when the lock is released (a lock set shares one).
+
+A raw connection has no events, so the state reads the driver on each use (``observe``):
+a closed connection, or one its pool took back and reset (asyncpg's pool runs
+``pg_advisory_unlock_all()``), has lost its locks; a connection that is idle again has
+ended the transaction its transaction locks belonged to.
+
+Transactions, decided here for every raw driver:
+
+- A session lock runs inside the caller's transaction when one is open (session locks
+  survive its end). On a non-autocommit connection that is idle, each statement runs
+  with the driver switched to autocommit for that statement only (no round trip), so
+  the lock never opens a transaction the application does not know about, neither when
+  it is taken nor when it is released after the application's transaction ended.
+- A transaction lock needs the driver's own transaction: ``conn.transaction()``, or a
+  non-autocommit connection, where the lock statement begins the transaction as any
+  statement does (DB-API's implicit BEGIN) and the lock lasts until ``commit()`` or
+  ``rollback()``. An autocommit connection outside a transaction, an asyncpg connection
+  outside ``conn.transaction()`` and a pool bind refuse it (``UnsupportedFeature``).
+- Transaction locks are forgotten when the connection is seen idle. A transaction lock
+  still counted by a lock object when a later transaction lock is asked for is checked
+  with the server (the driver cannot tell one transaction from the next); one no lock
+  object counts on any more is forgotten, and taking it again costs one round trip
+  (the server grants a lock its own transaction holds at once).
+
+Errors that mean the connection is gone become ``ConnectionGone`` (an
+``AdvisoryLockError``) at acquire and ``LockLost`` for a held lock, never a raw driver
+error. An acquire interrupted by cancellation (``asyncio.wait_for``, KeyboardInterrupt)
+closes the connection it waited on: the server may still grant the abandoned wait, and
+only closing makes sure nobody inherits that grant. A pool replaces it.
+
+Poolers: a connection whose server process id (told by the driver at connect) is not the
+one its statements run in reaches the server through a pooler or proxy; session locks
+are then refused unless the application declared the pooler with ``declare_pooler``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+from advisory_locks._core.advisory import (
+    AdvisoryLock,
+    AdvisoryLockSet,
+    AsyncAdvisoryLock,
+    AsyncAdvisoryLockSet,
+)
+from advisory_locks._core.connection import (
+    POOLER_MODES,
+    ConnectionState,
+    check_server,
+    finish_pending_releases,
+)
+from advisory_locks._core.contract import LockOptions, Timeout
+from advisory_locks._core.executors import DBAPIExecutor, driver_autocommit, driver_in_transaction
+from advisory_locks._core.steps import Statement, Steps, arun_steps, on, run_steps
+from advisory_locks._dialects import Backend, backend_for_dialect
+from advisory_locks.errors import AdvisoryLockError, LockUsageError, UnsupportedFeature
+from advisory_locks.keys import LockKey, LockName
+
+__all__ = [
+    "FAILED",
+    "IDLE",
+    "IN_TRANSACTION",
+    "AsyncRawDriver",
+    "ConnectionGone",
+    "RawBinding",
+    "RawDriver",
+    "declare_pooler",
+    "declared_pooler",
+]
+
+# Transaction status, as libpq numbers it (psycopg 3 and psycopg2 report these values).
+IDLE: Final = 0
+ACTIVE: Final = 1
+IN_TRANSACTION: Final = 2
+FAILED: Final = 3
+UNKNOWN: Final = 4
+
+DECLARE_POOLER: Final = (
+    "advisory_locks.declare_pooler(pool_or_connection, 'session') once, where the pool "
+    "or connection is made"
+)
+
+
+class ConnectionGone(AdvisoryLockError):
+    """The driver connection failed or was closed: nothing can be locked on it."""
+
+
+# -- declared poolers -------------------------------------------------------------------
+
+_declared_weak: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+# Objects that cannot be weakly referenced (asyncpg's Pool): kept with their declaration.
+_declared_strong: dict[int, tuple[object, str]] = {}
+_declared_mutex = threading.Lock()
+
+
+def declare_pooler(bind: object, pooler: str) -> None:
+    """Say what sits between a raw driver pool or connection and the PostgreSQL server.
+
+    The raw-driver counterpart of SQLAlchemy's ``advisory_locks_pooler`` execution option
+    and Django's ``ADVISORY_LOCKS["POOLERS"]``. Session locks through a pooler that was
+    not declared are refused, because the library sees that statements run in another
+    server session than the one the driver connected to.
+
+    :param bind: a psycopg / psycopg2 / asyncpg connection, or a ``psycopg_pool`` or
+        asyncpg pool (connections checked out of a declared pool inherit its declaration).
+    :param pooler: ``"session"`` for a pooler that pins each client connection to one
+        server connection (PgBouncer ``pool_mode=session``): session locks are safe;
+        ``"transaction"`` for a transaction pooler: session locks are refused, take
+        ``transaction=True`` locks inside a transaction; ``"none"`` to declare a direct
+        connection.
+    :raises ValueError: for any other ``pooler``.
+    """
+    if pooler not in POOLER_MODES:
+        raise ValueError(f"pooler must be one of {POOLER_MODES}, not {pooler!r}")
+    with _declared_mutex:
+        try:
+            _declared_weak[bind] = pooler
+        except TypeError:
+            _declared_strong[id(bind)] = (bind, pooler)
+
+
+def declared_pooler(*candidates: object) -> str | None:
+    """The declaration of the first candidate (connection, then its pool) that has one."""
+    if not _declared_weak and not _declared_strong:
+        return None
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        try:
+            found = _declared_weak.get(candidate)
+        except TypeError:
+            entry = _declared_strong.get(id(candidate))
+            found = entry[1] if entry is not None and entry[0] is candidate else None
+        if found is not None:
+            return found
+    return None
+
+
+# -- drivers ----------------------------------------------------------------------------
+
+
+class RawDriver:
+    """How one blocking DB-API driver's connections look to the raw bindings.
+
+    The defaults fit DB-API drivers; a binding overrides what its driver does otherwise.
+    """
+
+    dialect: str = "postgresql"
+    # How to open a transaction with this driver, for the refusal of transaction locks.
+    open_transaction: str = "open one first (e.g. `with conn.transaction():`)"
+
+    def physical(self, bind: Any) -> Any:
+        """The driver connection ``bind`` stands for (None: no longer usable by it)."""
+        return bind
+
+    def pool_of(self, connection: Any) -> Any:
+        """The pool ``connection`` is checked out of, where the driver tells (else None)."""
+        return None
+
+    def is_closed(self, connection: Any) -> bool:
+        return bool(getattr(connection, "closed", False))
+
+    def status(self, connection: Any) -> int:
+        """IDLE, IN_TRANSACTION, FAILED (or ACTIVE/UNKNOWN) as the driver knows it now."""
+        in_transaction = driver_in_transaction(connection)
+        if in_transaction is None:
+            return UNKNOWN
+        return IN_TRANSACTION if in_transaction else IDLE
+
+    def autocommit(self, connection: Any) -> bool:
+        return driver_autocommit(connection)
+
+    def epoch(self, connection: Any) -> object:
+        """A value that changes whenever a pool took the connection back and reset its
+        session (unlocking everything); None where no pool does that."""
+        return None
+
+    def executor(self, connection: Any, scratch: dict[str, Any]) -> Any:
+        return DBAPIExecutor(connection, scratch)
+
+    def set_autocommit(self, connection: Any, value: bool) -> None:
+        if callable(getattr(connection, "get_autocommit", None)):
+            connection.autocommit(value)
+        else:
+            connection.autocommit = value
+
+    def discard(self, bind: Any) -> None:
+        """Close a connection that must not be used again (its server session ends)."""
+        bind.close()
+
+    # A pool bind's connections (for drivers that have pools).
+    def checkout(self, pool: Any) -> Any:  # pragma: no cover - drivers with pools override
+        raise TypeError(f"{type(pool).__name__} is not a pool")
+
+    def checkin(self, pool: Any, bind: Any) -> None:  # pragma: no cover - as above
+        raise TypeError(f"{type(pool).__name__} is not a pool")
+
+
+class AsyncRawDriver(RawDriver):
+    """An asyncio driver: statements, autocommit switches, closes and pools are awaited."""
+
+    async def aset_autocommit(self, connection: Any, value: bool) -> None:
+        raise NotImplementedError
+
+    async def adiscard(self, bind: Any) -> None:
+        raise NotImplementedError
+
+    async def acheckout(self, pool: Any) -> Any:  # pragma: no cover - pools override
+        raise TypeError(f"{type(pool).__name__} is not a pool")
+
+    async def acheckin(self, pool: Any, bind: Any) -> None:  # pragma: no cover - as above
+        raise TypeError(f"{type(pool).__name__} is not a pool")
+
+
+# -- per-connection state -----------------------------------------------------------------
+
+
+class RawConnectionState(ConnectionState):
+    """What this library holds on one physical driver connection, read against the driver
+    each time it is used (raw connections have no events)."""
+
+    driver: RawDriver
+    connection: weakref.ReferenceType[Any]
+    epoch: object
+    # Statements of session locks (switching a non-autocommit connection to autocommit
+    # while it is idle) and of transaction locks (in the driver's transaction).
+    session_executor: Any
+    transaction_executor: Any
+
+    def observe(self) -> None:
+        if not self.holdings and not self.pending_release:
+            return
+        connection = self.connection()
+        driver = self.driver
+        if connection is None or driver.is_closed(connection):
+            self.connection_gone()
+            return
+        epoch = driver.epoch(connection)
+        if epoch != self.epoch:
+            # Its pool took the connection back and reset the session meanwhile.
+            self.epoch = epoch
+            self.connection_gone()
+            return
+        if driver.status(connection) == IDLE and any(
+            holding.transaction for holding in self.holdings.values()
+        ):
+            self.transaction_ended()
+
+
+_states: weakref.WeakKeyDictionary[Any, RawConnectionState] = weakref.WeakKeyDictionary()
+_states_mutex = threading.Lock()
+
+
+def existing_state(connection: Any) -> RawConnectionState | None:
+    return _states.get(connection)
+
+
+def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnectionState:
+    """The state of ``connection``, made on first use and brought up to date."""
+    state = _states.get(connection)
+    if state is None:
+        with _states_mutex:
+            state = _states.get(connection)
+            if state is None:
+                state = RawConnectionState(backend=backend)
+                state.driver = driver
+                state.connection = weakref.ref(connection)
+                state.epoch = driver.epoch(connection)
+                plain = driver.executor(connection, state.driver_state)
+                if isinstance(driver, AsyncRawDriver):
+                    state.transaction_executor = AsyncRaisingExecutor(plain, backend)
+                    state.session_executor = AutocommitExecutor(
+                        driver, connection, state.transaction_executor
+                    )
+                else:
+                    state.transaction_executor = RaisingExecutor(plain, backend)
+                    state.session_executor = SyncAutocommitExecutor(
+                        driver, connection, state.transaction_executor
+                    )
+                _states[connection] = state
+                return state
+    state.observe()
+    # With nothing held, observe() did not look; a reset session has nothing to forget.
+    state.epoch = driver.epoch(connection)
+    return state
+
+
+# -- executors ------------------------------------------------------------------------------
+
+
+class RaisingExecutor:
+    """Runs statements on the driver's executor; an error that means the connection is gone
+    becomes ``ConnectionGone`` (the lock turns it into ``LockLost`` for a held lock)."""
+
+    __slots__ = ("_backend", "_execute", "executor")
+
+    def __init__(self, executor: Any, backend: Backend) -> None:
+        self.executor = executor
+        self._execute = executor.execute
+        self._backend = backend
+
+    @property
+    def state(self) -> dict[str, Any]:
+        scratch: dict[str, Any] = self.executor.state
+        return scratch
+
+    def execute(self, statement: Statement) -> Any:
+        try:
+            return self._execute(statement)
+        except Exception as error:
+            raise _translated(error, self._backend) from error
+
+
+class AsyncRaisingExecutor(RaisingExecutor):
+    __slots__ = ()
+
+    async def execute(self, statement: Statement) -> Any:
+        try:
+            return await self._execute(statement)
+        except Exception as error:
+            raise _translated(error, self._backend) from error
+
+
+def _translated(error: Exception, backend: Backend) -> Exception:
+    if isinstance(error, AdvisoryLockError) or not backend.is_connection_failure(error):
+        return error
+    return ConnectionGone(f"the database connection is gone: {error}")
+
+
+class SyncAutocommitExecutor:
+    """Runs a statement with a non-autocommit connection switched to autocommit while no
+    transaction is open, so that it opens none; inside a transaction, in it."""
+
+    __slots__ = ("_connection", "_driver", "_inner")
+
+    def __init__(self, driver: RawDriver, connection: Any, inner: Any) -> None:
+        self._driver = driver
+        self._connection = connection
+        self._inner = inner
+
+    @property
+    def state(self) -> dict[str, Any]:
+        scratch: dict[str, Any] = self._inner.state
+        return scratch
+
+    def execute(self, statement: Statement) -> Any:
+        driver, connection = self._driver, self._connection
+        if driver.autocommit(connection) or driver.status(connection) != IDLE:
+            return self._inner.execute(statement)
+        driver.set_autocommit(connection, True)
+        try:
+            result = self._inner.execute(statement)
+        except BaseException:
+            # A connection that broke cannot be switched back, and the statement's own
+            # error is the one to report.
+            with contextlib.suppress(Exception):
+                driver.set_autocommit(connection, False)
+            raise
+        driver.set_autocommit(connection, False)
+        return result
+
+
+class AutocommitExecutor(SyncAutocommitExecutor):
+    """The asyncio twin of ``SyncAutocommitExecutor``."""
+
+    __slots__ = ()
+
+    async def execute(self, statement: Statement) -> Any:
+        driver, connection = self._driver, self._connection
+        if driver.autocommit(connection) or driver.status(connection) != IDLE:
+            return await self._inner.execute(statement)
+        assert isinstance(driver, AsyncRawDriver)
+        await driver.aset_autocommit(connection, True)
+        try:
+            result = await self._inner.execute(statement)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await driver.aset_autocommit(connection, False)
+            raise
+        await driver.aset_autocommit(connection, False)
+        return result
+
+
+# -- a caller's connection ---------------------------------------------------------------------
+
+
+class ConnectionBorrow:
+    """A caller's connection lent to a lock: never closed by it unless broken."""
+
+    __slots__ = ("_broken", "connection", "epoch", "executor", "in_transaction", "site", "state")
+
+    def __init__(
+        self,
+        site: ConnectionSite,
+        connection: Any,
+        executor: Any,
+        state: RawConnectionState,
+        in_transaction: bool,
+    ) -> None:
+        self.site = site
+        self.connection = connection
+        self.executor = executor
+        self.state = state
+        self.in_transaction = in_transaction
+        self.epoch = state.epoch
+        self._broken = False
+
+    def done(self) -> None:
+        pass
+
+    def broken(self, error: BaseException) -> None:
+        self._broken = True
+
+    def _still_ours(self) -> bool:
+        driver = self.site.driver
+        connection = driver.physical(self.site.bind)
+        return (
+            connection is self.connection
+            and driver.epoch(connection) == self.epoch
+            and not driver.is_closed(connection)
+        )
+
+    def settle(self) -> None:
+        if self._broken:
+            self._broken = False
+            if self._still_ours():
+                self.site.driver.discard(self.site.bind)
+            self.state.connection_gone()
+
+    async def asettle(self) -> None:
+        if self._broken:
+            self._broken = False
+            driver = self.site.driver
+            if self._still_ours():
+                assert isinstance(driver, AsyncRawDriver)
+                await driver.adiscard(self.site.bind)
+            self.state.connection_gone()
+
+
+class ConnectionSite:
+    """Locks on a raw driver connection the caller owns."""
+
+    __slots__ = ("backend", "bind", "driver")
+
+    def __init__(self, driver: RawDriver, bind: Any) -> None:
+        self.driver = driver
+        self.bind = bind
+        self.backend = backend_for_dialect(driver.dialect)
+
+    def borrow(self, *, transaction: bool) -> ConnectionBorrow:
+        borrow = None if transaction else self._ready()
+        return borrow if borrow is not None else run_steps(self.prepare(transaction))
+
+    async def aborrow(self, *, transaction: bool) -> ConnectionBorrow:
+        borrow = None if transaction else self._ready()
+        return borrow if borrow is not None else await arun_steps(self.prepare(transaction))
+
+    def _ready(self) -> ConnectionBorrow | None:
+        """The usual session-lock borrow, which needs no statement: the server was checked
+        on this connection before (no pooler in between), no pooler is declared anywhere
+        and no unlock waits. None sends the borrow down the full path (``prepare``)."""
+        if _declared_weak or _declared_strong:
+            return None
+        driver = self.driver
+        connection = driver.physical(self.bind)
+        state = None if connection is None else _states.get(connection)
+        if state is None or state.behind_proxy is not False or driver.is_closed(connection):
+            return None
+        state.observe()
+        state.epoch = driver.epoch(connection)
+        status = driver.status(connection)
+        if state.pending_release or status == FAILED:
+            return None
+        return ConnectionBorrow(self, connection, state.session_executor, state, status != IDLE)
+
+    def run(self, steps: Steps[Any]) -> Awaitable[Any]:
+        return arun_steps(steps, self)
+
+    def held_names(self) -> list[LockName]:
+        connection = self.driver.physical(self.bind)
+        state = None if connection is None else existing_state(connection)
+        if state is None:
+            return []
+        state.observe()
+        return state.names()
+
+    def prepare(self, transaction: bool) -> Steps[ConnectionBorrow]:
+        driver, backend = self.driver, self.backend
+        connection = driver.physical(self.bind)
+        if connection is None:
+            raise ConnectionGone(
+                "this connection was released back to its pool; take locks on a connection "
+                "while it is checked out"
+            )
+        if driver.is_closed(connection):
+            raise ConnectionGone("the database connection is closed")
+        state = state_for(driver, connection, backend)
+        status = driver.status(connection)
+        if status == FAILED:
+            raise LockUsageError(
+                "the connection's transaction failed; roll it back before taking a lock"
+            )
+        in_transaction = status != IDLE
+        if transaction:
+            if not in_transaction and driver.autocommit(connection):
+                raise UnsupportedFeature(
+                    "transaction=True needs a transaction, and this connection has none "
+                    f"open: {driver.open_transaction}, or take a session lock instead"
+                )
+            executor = state.transaction_executor
+            if in_transaction:
+                yield from forget_ended_transaction_locks(state, executor)
+            # On an idle non-autocommit connection the lock statement begins the driver's
+            # transaction, which the lock must then protect like the caller's own.
+            in_transaction = True
+        else:
+            executor = state.session_executor
+        yield from check_server(
+            state,
+            executor,
+            connection,
+            pooler=declared_pooler(self.bind, connection, driver.pool_of(self.bind)),
+            session_lock=not transaction,
+            declare_pooler=DECLARE_POOLER,
+            transaction_pooler_declared="it was declared behind a transaction pooler",
+        )
+        if state.pending_release and status == IDLE:
+            # A failed transaction postponed these unlocks and has ended since.
+            yield from finish_pending_releases(state, state.session_executor)
+        return ConnectionBorrow(self, connection, executor, state, in_transaction)
+
+
+def forget_ended_transaction_locks(state: RawConnectionState, executor: Any) -> Steps[None]:
+    """Before a transaction lock is looked up: drop the transaction locks that may belong
+    to an earlier transaction (the driver cannot tell transactions apart).
+
+    One that no lock object counts on is forgotten (taking it again costs one round trip,
+    harmless in the same transaction). One still counted is asked of the server: gone
+    means its transaction (or savepoint) ended. pg_locks cannot tell it from a session
+    lock of the same key and mode on this connection; then it is kept, and that session
+    lock protects the block meanwhile.
+    """
+    backend = state.backend
+    assert backend is not None
+    for holding in [h for h in state.holdings.values() if h.transaction]:
+        if holding.count <= 0:
+            state.forget(holding)
+            continue
+        held = yield from on(
+            executor, backend.is_held(state.driver_state, holding.key, shared=holding.shared)
+        )
+        if not held:
+            state.forget(holding)
+
+
+# -- a pool bind ---------------------------------------------------------------------------
+
+
+class PooledBorrow:
+    """A connection checked out of a pool for locks only, in autocommit, returned when its
+    last lock is released; discarded (closed, then returned) when it broke."""
+
+    __slots__ = (
+        "__weakref__",
+        "_action",
+        "bind",
+        "connection",
+        "executor",
+        "in_transaction",
+        "previous_autocommit",
+        "site",
+        "state",
+    )
+
+    in_transaction: bool
+
+    def __init__(self, site: PoolSite, bind: Any) -> None:
+        self.site = site
+        self.bind = bind
+        self.connection = site.driver.physical(bind)
+        self.state = state_for(site.driver, self.connection, site.backend)
+        self.executor = self.state.transaction_executor
+        self.in_transaction = False
+        self.previous_autocommit: bool | None = None
+        self._action: str | None = None
+
+    @property
+    def returned(self) -> bool:
+        return self._action == "returned"
+
+    def done(self) -> None:
+        if self._action is None and not self.state.holdings and not self.state.pending_release:
+            self._action = "return"
+
+    def broken(self, error: BaseException) -> None:
+        if self._action != "returned":
+            self._action = "discard"
+
+    def settle(self) -> None:
+        action, driver, pool = self._action, self.site.driver, self.site.pool
+        if action == "return":
+            self._action = "returned"
+            self.site.forget(self)
+            try:
+                if self.previous_autocommit is not None:
+                    driver.set_autocommit(self.connection, self.previous_autocommit)
+            except Exception:
+                driver.discard(self.bind)
+            driver.checkin(pool, self.bind)
+        elif action == "discard":
+            self._action = "returned"
+            self.site.forget(self)
+            self.state.connection_gone()
+            try:
+                driver.discard(self.bind)
+            finally:
+                driver.checkin(pool, self.bind)
+
+    async def asettle(self) -> None:
+        action, driver, pool = self._action, self.site.driver, self.site.pool
+        assert isinstance(driver, AsyncRawDriver)
+        if action == "return":
+            self._action = "returned"
+            self.site.forget(self)
+            try:
+                if self.previous_autocommit is not None:
+                    await driver.aset_autocommit(self.connection, self.previous_autocommit)
+            except Exception:
+                await driver.adiscard(self.bind)
+            await driver.acheckin(pool, self.bind)
+        elif action == "discard":
+            self._action = "returned"
+            self.site.forget(self)
+            self.state.connection_gone()
+            try:
+                await driver.adiscard(self.bind)
+            finally:
+                await driver.acheckin(pool, self.bind)
+
+
+# The borrows alive per pool, for current_advisory_locks(pool). Keyed by id: asyncpg's
+# Pool cannot be weakly referenced. A borrow keeps its pool alive, so the id is not
+# reused while an entry has borrows.
+_pool_borrows: dict[int, weakref.WeakSet[PooledBorrow]] = {}
+_pool_borrows_mutex = threading.Lock()
+
+
+class PoolSite:
+    """Each lock checks out its own connection of the pool."""
+
+    __slots__ = ("backend", "driver", "pool")
+
+    def __init__(self, driver: RawDriver, pool: Any) -> None:
+        self.driver = driver
+        self.pool = pool
+        self.backend = backend_for_dialect(driver.dialect)
+
+    def borrow(self, *, transaction: bool) -> PooledBorrow:
+        driver = self.driver
+        borrow = PooledBorrow(self, driver.checkout(self.pool))
+        try:
+            if not driver.autocommit(borrow.connection):
+                # Autocommit keeps each acquire and release to one statement and means
+                # nothing the lock does can be rolled back underneath it.
+                driver.set_autocommit(borrow.connection, True)
+                borrow.previous_autocommit = False
+            run_steps(self.prepare(borrow))
+        except BaseException as error:
+            borrow.broken(error)
+            borrow.settle()
+            raise
+        return borrow
+
+    async def aborrow(self, *, transaction: bool) -> PooledBorrow:
+        driver = self.driver
+        assert isinstance(driver, AsyncRawDriver)
+        borrow = PooledBorrow(self, await driver.acheckout(self.pool))
+        try:
+            if not driver.autocommit(borrow.connection):
+                await driver.aset_autocommit(borrow.connection, True)
+                borrow.previous_autocommit = False
+            await arun_steps(self.prepare(borrow))
+        except BaseException as error:
+            borrow.broken(error)
+            await borrow.asettle()
+            raise
+        return borrow
+
+    def run(self, steps: Steps[Any]) -> Awaitable[Any]:
+        return arun_steps(steps, self)
+
+    def prepare(self, borrow: PooledBorrow) -> Steps[None]:
+        connection, state = borrow.connection, borrow.state
+        yield from check_server(
+            state,
+            borrow.executor,
+            connection,
+            pooler=declared_pooler(self.pool, connection),
+            session_lock=True,
+            declare_pooler=DECLARE_POOLER,
+            transaction_pooler_declared="the pool was declared behind a transaction pooler",
+        )
+        if state.pending_release:
+            yield from finish_pending_releases(state, borrow.executor)
+        with _pool_borrows_mutex:
+            borrows = _pool_borrows.get(id(self.pool))
+            if borrows is None:
+                borrows = _pool_borrows[id(self.pool)] = weakref.WeakSet()
+            borrows.add(borrow)
+
+    def forget(self, borrow: PooledBorrow) -> None:
+        with _pool_borrows_mutex:
+            borrows = _pool_borrows.get(id(self.pool))
+            if borrows is not None:
+                borrows.discard(borrow)
+                if not borrows:
+                    del _pool_borrows[id(self.pool)]
+
+    def held_names(self) -> list[LockName]:
+        with _pool_borrows_mutex:
+            borrows = list(_pool_borrows.get(id(self.pool), ()))
+        names: list[LockName] = []
+        for borrow in borrows:
+            if borrow.site.pool is self.pool:
+                borrow.state.observe()
+                names += borrow.state.names()
+        return names
+
+
+class SharedPoolSite(PoolSite):
+    """The locks of one lock set on a pool share one checked-out connection."""
+
+    __slots__ = ("_borrow",)
+
+    def __init__(self, driver: RawDriver, pool: Any) -> None:
+        super().__init__(driver, pool)
+        self._borrow: PooledBorrow | None = None
+
+    def borrow(self, *, transaction: bool) -> PooledBorrow:
+        if self._borrow is None or self._borrow._action is not None:
+            self._borrow = super().borrow(transaction=transaction)
+        return self._borrow
+
+    async def aborrow(self, *, transaction: bool) -> PooledBorrow:
+        if self._borrow is None or self._borrow._action is not None:
+            self._borrow = await super().aborrow(transaction=transaction)
+        return self._borrow
+
+
+# -- the binding ----------------------------------------------------------------------------
+
+
+class RawBinding:
+    """The core dispatch's binding for one driver's connections and pools."""
+
+    def __init__(
+        self,
+        driver: RawDriver,
+        *,
+        is_pool: Callable[[object], bool] = lambda bind: False,
+    ) -> None:
+        self.driver = driver
+        self.is_async = isinstance(driver, AsyncRawDriver)
+        self._is_pool = is_pool
+
+    def _site(self, bind: Any, *, transaction: bool, lock_set: bool = False) -> Any:
+        if self._is_pool(bind):
+            if transaction:
+                raise UnsupportedFeature(
+                    "transaction=True needs a transaction, and a pool has none: check a "
+                    "connection out, open a transaction on it and pass the connection, or "
+                    "take a session lock on the pool"
+                )
+            return (SharedPoolSite if lock_set else PoolSite)(self.driver, bind)
+        return ConnectionSite(self.driver, bind)
+
+    def lock(self, bind: Any, key: LockKey, options: LockOptions) -> Any:
+        site = self._site(bind, transaction=options.transaction)
+        lock = AdvisoryLock(site, key, options)
+        return AsyncAdvisoryLock(lock, site.run) if self.is_async else lock
+
+    def lock_set(
+        self, bind: Any, keys: list[LockKey], options: LockOptions, timeout: Timeout
+    ) -> Any:
+        site = self._site(bind, transaction=options.transaction, lock_set=True)
+        lock_set = AdvisoryLockSet(
+            site, (AdvisoryLock(site, key, options) for key in keys), timeout=timeout
+        )
+        return AsyncAdvisoryLockSet(lock_set, site.run) if self.is_async else lock_set
+
+    def held_names(self, bind: Any) -> list[LockName]:
+        names: list[LockName] = self._site(bind, transaction=False).held_names()
+        return names

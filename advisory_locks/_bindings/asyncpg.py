@@ -1,0 +1,118 @@
+"""asyncpg ``Connection``, pool connections (``pool.acquire()``) and ``Pool`` as binds.
+
+Native asyncio: statements are awaited on the driver (no greenlet, no SQLAlchemy).
+asyncpg prepares every statement that has parameters (cached per connection); scripts
+(several statements) go through ``Connection.execute()`` without arguments, which uses
+the simple query protocol.
+
+asyncpg's pool resets a connection when it comes back (``pg_advisory_unlock_all()``
+among others): a lock still held on it is lost. The binding notices through the
+connection's release count (``_asyncpg_compat``): ``held`` turns False, and ``release()``
+and ``ensure_held()`` raise ``LockLost``.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any, Final
+
+from asyncpg.connection import Connection
+from asyncpg.pool import Pool, PoolConnectionProxy
+
+from advisory_locks._bindings import _asyncpg_compat as compat
+from advisory_locks._bindings._raw import IDLE, IN_TRANSACTION, AsyncRawDriver, RawBinding
+from advisory_locks._core.dispatch import register_binding
+from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
+
+__all__ = ["AsyncpgDriver", "AsyncpgExecutor"]
+
+# How long a discarded connection may take to close gracefully before its socket is cut.
+CLOSE_TIMEOUT_SECONDS: Final = 5.0
+
+
+@cache
+def numbered(sql: str, count: int) -> str:
+    """``%s`` placeholders as asyncpg's ``$1, $2, ...`` (a handful of texts, built once)."""
+    for position in range(1, count + 1):
+        sql = sql.replace("%s", f"${position}", 1)
+    return sql
+
+
+class AsyncpgExecutor:
+    """Runs statements on an asyncpg ``Connection``."""
+
+    __slots__ = ("connection", "state")
+
+    def __init__(self, connection: Any, state: dict[str, Any]) -> None:
+        self.connection = connection
+        self.state = state
+
+    async def execute(self, statement: Statement) -> object:
+        kind = statement.kind
+        if kind == VALUE:
+            params = statement.params
+            return await self.connection.fetchval(numbered(statement.sql, len(params)), *params)
+        if kind == SCRIPT:
+            await self.connection.execute(statement.sql)
+            return None
+        assert kind == ROWS
+        return [tuple(row) for row in await self.connection.fetch(statement.sql)]
+
+
+class AsyncpgDriver(AsyncRawDriver):
+    """asyncpg's connections: autocommit outside ``conn.transaction()``."""
+
+    open_transaction = "open one with `async with conn.transaction():`"
+
+    def physical(self, bind: Any) -> Any:
+        return compat.physical_connection(bind)
+
+    def pool_of(self, connection: Any) -> Any:
+        return compat.pool_of(connection)
+
+    def is_closed(self, connection: Any) -> bool:
+        return bool(connection.is_closed())
+
+    def status(self, connection: Any) -> int:
+        return IN_TRANSACTION if connection.is_in_transaction() else IDLE
+
+    def autocommit(self, connection: Any) -> bool:
+        return True
+
+    def epoch(self, connection: Any) -> object:
+        return compat.release_count(connection)
+
+    def executor(self, connection: Any, scratch: dict[str, Any]) -> Any:
+        return AsyncpgExecutor(connection, scratch)
+
+    async def aset_autocommit(self, connection: Any, value: bool) -> None:
+        raise AssertionError("asyncpg connections are always in autocommit")
+
+    async def adiscard(self, bind: Any) -> None:
+        # A pool connection goes back to its pool, which replaces it; one whose socket
+        # already closed went back by itself.
+        connection = compat.physical_connection(bind)
+        if connection is None or connection.is_closed():
+            return
+        try:
+            # A cancelled statement leaves asyncpg sending a cancel request; the server
+            # ends a lock wait only when that arrives, or when the lock is granted to it
+            # (a backend blocked in a wait does not notice its client went away). A
+            # graceful close waits for the cancellation first (asyncpg >= 0.30), so the
+            # abandoned wait ends now instead of taking the lock from the next waiter.
+            await connection.close(timeout=CLOSE_TIMEOUT_SECONDS)
+        except Exception:
+            connection.terminate()
+
+    async def acheckout(self, pool: Any) -> Any:
+        return await pool.acquire()
+
+    async def acheckin(self, pool: Any, bind: Any) -> None:
+        # Returns at once for a terminated connection (already back in the pool).
+        await pool.release(bind)
+
+
+register_binding(
+    [Connection, PoolConnectionProxy, Pool],
+    RawBinding(AsyncpgDriver(), is_pool=lambda bind: isinstance(bind, Pool)),
+)

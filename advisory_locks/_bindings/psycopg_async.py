@@ -1,0 +1,112 @@
+"""psycopg 3 ``AsyncConnection`` and ``psycopg_pool.AsyncConnectionPool`` as binds.
+
+Native asyncio: every statement is awaited on the driver (no greenlet, no SQLAlchemy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import AsyncConnection
+
+from advisory_locks._bindings._raw import AsyncRawDriver, RawBinding
+from advisory_locks._bindings.psycopg import OPEN_TRANSACTION, pool_of
+from advisory_locks._core.dispatch import register_binding
+from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
+
+__all__ = ["AsyncPsycopgDriver", "AsyncPsycopgExecutor"]
+
+
+class AsyncPsycopgExecutor:
+    """Runs statements on an ``AsyncConnection`` with one reused cursor.
+
+    A script (several statements) is never prepared, also with ``prepare_threshold=0``:
+    a prepared statement holds one command. Two tasks sharing the connection never share
+    the cursor: the second gets one of its own for that statement.
+    """
+
+    __slots__ = ("_busy", "_cursor", "connection", "state")
+
+    def __init__(self, connection: Any, state: dict[str, Any]) -> None:
+        self.connection = connection
+        self.state = state
+        self._cursor: Any = None
+        self._busy = False
+
+    async def execute(self, statement: Statement) -> object:
+        if self._busy:
+            return await self._run(self.connection.cursor(), statement)
+        cursor = self._cursor
+        if cursor is None or cursor.closed:
+            cursor = self._cursor = self.connection.cursor()
+        self._busy = True
+        try:
+            return await self._run(cursor, statement)
+        finally:
+            self._busy = False
+
+    @staticmethod
+    async def _run(cursor: Any, statement: Statement) -> object:
+        kind = statement.kind
+        if kind == VALUE:
+            await cursor.execute(statement.sql, tuple(statement.params))
+            row = await cursor.fetchone()
+            return None if row is None else row[0]
+        if kind == SCRIPT:
+            await cursor.execute(statement.sql, prepare=False)
+            return None
+        assert kind == ROWS
+        await cursor.execute(statement.sql)
+        return [tuple(row) for row in await cursor.fetchall()]
+
+
+class AsyncPsycopgDriver(AsyncRawDriver):
+    """psycopg 3's asyncio connections; libpq tells the transaction status."""
+
+    open_transaction = OPEN_TRANSACTION.replace("`with ", "`async with ")
+
+    def is_closed(self, connection: Any) -> bool:
+        return bool(connection.closed)
+
+    def status(self, connection: Any) -> int:
+        return int(connection.pgconn.transaction_status)
+
+    def autocommit(self, connection: Any) -> bool:
+        return bool(connection.autocommit)
+
+    def pool_of(self, connection: Any) -> Any:
+        return pool_of(connection)
+
+    def executor(self, connection: Any, scratch: dict[str, Any]) -> Any:
+        return AsyncPsycopgExecutor(connection, scratch)
+
+    async def aset_autocommit(self, connection: Any, value: bool) -> None:
+        # No round trip: psycopg only checks that no transaction is open.
+        await connection.set_autocommit(value)
+
+    async def adiscard(self, bind: Any) -> None:
+        await bind.close()
+
+    async def acheckout(self, pool: Any) -> Any:
+        return await pool.getconn()
+
+    async def acheckin(self, pool: Any, bind: Any) -> None:
+        await pool.putconn(bind)
+
+
+def _register() -> None:
+    types: list[type] = [AsyncConnection]
+    try:
+        from psycopg_pool import AsyncConnectionPool
+    except ImportError:  # psycopg_pool is optional
+        pool_types: tuple[type, ...] = ()
+    else:
+        pool_types = (AsyncConnectionPool,)
+        types.append(AsyncConnectionPool)
+    register_binding(
+        types,
+        RawBinding(AsyncPsycopgDriver(), is_pool=lambda bind: isinstance(bind, pool_types)),
+    )
+
+
+_register()

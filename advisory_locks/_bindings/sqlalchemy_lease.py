@@ -1,0 +1,219 @@
+"""Lease locks on SQLAlchemy binds: where their statements run, and the lease ``Table``.
+
+Every lease statement borrows a connection from the bind's Engine pool in autocommit mode
+and gives it back at once (a Session or Connection bind only names its Engine: the
+caller's transaction is never used, except by ``fence()``, whose point is to run inside
+it). Holding a lease pins no connection. The renewer opens its own connections from a
+copy of the Engine's pool (``Pool.recreate()``: the same URL, connect arguments and
+connect events), so it never waits for a connection the application holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Final
+
+from sqlalchemy import BigInteger, Column, DateTime, MetaData, String, Table
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import PoolProxiedConnection
+
+from advisory_locks._bindings.sqlalchemy import executor_for, sync_bind
+from advisory_locks._core.executors import (
+    DBAPIExecutor,
+    driver_autocommit,
+    driver_in_transaction,
+    restore_driver_autocommit,
+    set_driver_autocommit,
+)
+from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
+from advisory_locks.errors import UnsupportedFeature
+
+__all__ = ["CREATE_HINT", "SQLAlchemyLeaseSite", "create_lease_table", "lease_site", "lease_table"]
+
+CREATE_HINT: Final = (
+    f"the table {LEASE_TABLE} does not exist in this database. Create it once with "
+    "advisory_locks.sqlalchemy.create_lease_table(engine), or add "
+    "advisory_locks.sqlalchemy.lease_table(metadata) to your metadata and migrations "
+    "(Alembic); Django projects: manage.py migrate advisory_locks_django"
+)
+
+
+def _name_type() -> Any:
+    # Binary collation on MySQL: "Job" and "job" are two leases, as on the other databases.
+    return String(255).with_variant(
+        mysql.VARCHAR(255, charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+    )
+
+
+def _time_type() -> Any:
+    # Microseconds on MySQL (its DATETIME defaults to whole seconds).
+    return DateTime(timezone=True).with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+
+
+def lease_table(metadata: MetaData) -> Table:
+    """The ``advisory_locks_lease`` Table in ``metadata`` (added once, then returned)."""
+    existing = metadata.tables.get(LEASE_TABLE)
+    if existing is not None:
+        return existing
+    return Table(
+        LEASE_TABLE,
+        metadata,
+        Column("name", _name_type(), primary_key=True, autoincrement=False),
+        Column("holder", _name_type(), nullable=True),
+        Column("token", BigInteger(), nullable=False),
+        Column("acquired_at", _time_type(), nullable=False),
+        Column("renewed_at", _time_type(), nullable=False),
+        Column("expires_at", _time_type(), nullable=False),
+        mysql_engine="InnoDB",
+        comment="Lease locks of advisory-locks: rows are never deleted (token counts on)",
+    )
+
+
+def create_lease_table(bind: Any) -> None:
+    """Create ``advisory_locks_lease`` in ``bind``'s database if it does not exist."""
+    engine = _engine_of(bind)
+    backend = lease_backend_for_dialect(engine.dialect.name)
+    with engine.connect() as connection:
+        for sql in backend.create_table():
+            connection.exec_driver_sql(sql)
+        connection.commit()
+
+
+def _engine_of(bind: Any) -> Engine:
+    sync = sync_bind(bind)
+    if isinstance(sync, Engine):
+        return sync
+    if isinstance(sync, Connection):
+        return sync.engine
+    engine = sync.get_bind()
+    return engine if isinstance(engine, Engine) else engine.engine
+
+
+class LeaseBorrow:
+    """A pooled connection in autocommit mode for one lease statement (or two)."""
+
+    __slots__ = ("_broken", "_restore", "executor", "fairy")
+
+    def __init__(self, engine: Engine) -> None:
+        self.fairy: PoolProxiedConnection = engine.raw_connection()
+        dbapi = self.fairy.dbapi_connection
+        self._restore: tuple[object] | None = None
+        self._broken: BaseException | None = None
+        try:
+            if not driver_autocommit(dbapi):
+                self._restore = (set_driver_autocommit(dbapi, True),)
+            self.executor: Any = executor_for(self.fairy, self.fairy.info)
+        except BaseException:
+            self.fairy.close()
+            raise
+
+    def done(self) -> None:
+        pass
+
+    def broken(self, error: BaseException) -> None:
+        self._broken = error
+
+    def settle(self) -> None:
+        fairy = self.fairy
+        if fairy.dbapi_connection is None:
+            return
+        try:
+            if self._broken is not None:
+                error = self._broken
+                fairy.invalidate(error if isinstance(error, Exception) else None)
+            elif self._restore is not None:
+                restore_driver_autocommit(fairy.dbapi_connection, self._restore[0])
+        finally:
+            fairy.close()
+
+    async def asettle(self) -> None:
+        self.settle()
+
+
+class _RenewalConnection:
+    __slots__ = ("executor", "fairy")
+
+    def __init__(self, fairy: PoolProxiedConnection) -> None:
+        self.fairy = fairy
+        self.executor = DBAPIExecutor(fairy.dbapi_connection)
+
+    def close(self) -> None:
+        # Discarded rather than pooled: a renewer's connection is opened again only
+        # after a failure or when the process holds leases again.
+        self.fairy.invalidate()
+        self.fairy.close()
+
+
+class SQLAlchemyLeaseSite:
+    """The leases of one Engine's database."""
+
+    create_hint = CREATE_HINT
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.backend: LeaseBackend = lease_backend_for_dialect(engine.dialect.name)
+        self._renewal_pool: Any = None
+
+    def borrow(self, *, transaction: bool) -> LeaseBorrow:
+        return LeaseBorrow(self.engine)
+
+    def renewal_connection(self) -> _RenewalConnection:
+        if self._renewal_pool is None:
+            self._renewal_pool = self.engine.pool.recreate()
+        fairy = self._renewal_pool.connect()
+        try:
+            dbapi = fairy.dbapi_connection
+            if not driver_autocommit(dbapi):
+                if driver_in_transaction(dbapi):
+                    # Connect events may have left a transaction open (psycopg refuses
+                    # to switch to autocommit inside one).
+                    dbapi.rollback()
+                set_driver_autocommit(dbapi, True)
+            connection = _RenewalConnection(fairy)
+        except BaseException:
+            fairy.invalidate()
+            fairy.close()
+            raise
+        return connection
+
+    def fence_executor(self, bind: object) -> Any:
+        if isinstance(bind, Session):
+            connection = bind.connection()
+        elif isinstance(bind, Connection):
+            connection = bind
+            if not connection.in_transaction():
+                connection.begin()  # as any statement on a Connection would
+        else:
+            raise TypeError(
+                "fence() runs inside your transaction: pass the SQLAlchemy Session or "
+                f"Connection that makes the protected writes, not {type(bind).__name__}"
+            )
+        if connection.engine.dialect.name != self.engine.dialect.name:
+            raise UnsupportedFeature(
+                "fence() must run on the lease's own database: the lease lives on "
+                f"{self.engine.dialect.name}, this connection is {connection.engine.dialect.name}"
+            )
+        fairy = connection.connection
+        if driver_autocommit(fairy.dbapi_connection):
+            raise UnsupportedFeature(
+                "fence() needs a transaction, but this connection is in AUTOCOMMIT mode, "
+                "where the fence would end with its own statement"
+            )
+        return executor_for(fairy, fairy.info)
+
+
+_sites: weakref.WeakKeyDictionary[Engine, SQLAlchemyLeaseSite] = weakref.WeakKeyDictionary()
+_sites_lock = threading.Lock()
+
+
+def lease_site(bind: Any) -> SQLAlchemyLeaseSite:
+    """The lease site of ``bind``'s Engine (one per Engine, so its leases renew together)."""
+    engine = _engine_of(bind)
+    with _sites_lock:
+        site = _sites.get(engine)
+        if site is None:
+            site = _sites[engine] = SQLAlchemyLeaseSite(engine)
+        return site

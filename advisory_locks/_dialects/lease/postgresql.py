@@ -1,0 +1,200 @@
+"""Lease rows on PostgreSQL: every piece of lease SQL sent to PostgreSQL.
+
+Time is ``clock_timestamp()``: the server's clock at the moment a row is examined, not
+the start of the transaction (a fence runs inside the caller's transaction, which may
+have begun long before; an acquire may have waited for a row lock).
+
+Fencing works through row-lock modes: ``fence()`` takes ``FOR KEY SHARE`` on the row in
+the caller's transaction. A renewal or release updates only non-key columns, which
+needs ``FOR NO KEY UPDATE``, compatible with KEY SHARE: the owner's renewer is never
+blocked by the owner's own fence. A takeover's ``ON CONFLICT DO UPDATE`` also assigns the
+key column (``name = excluded.name``), which makes PostgreSQL lock the row ``FOR UPDATE``
+before checking the condition (ExecUpdateLockMode looks at the columns assigned, not at
+whether their values change): that conflicts with KEY SHARE, so a takeover waits until
+every fencing transaction has ended, and then re-checks the expiry.
+
+The statements avoid PostgreSQL-only syntax where an equivalent costs nothing, so
+CockroachDB and YugabyteDB accept them too (untested here).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Final
+
+from advisory_locks._core.contract import Timeout
+from advisory_locks._core.steps import ROWS, Statement
+from advisory_locks._dialects.lease.base import LEASE_TABLE, Attempt, LeaseRow, StatementSteps
+from advisory_locks._dialects.postgresql import LOCK_NOT_AVAILABLE, PostgresBackend, sqlstate_of
+
+__all__ = ["PostgresLeaseBackend"]
+
+UNDEFINED_TABLE: Final = "42P01"
+# lock_timeout = 0 means "no limit" to PostgreSQL; "do not wait" is the shortest limit.
+NO_WAIT_MS: Final = 1
+MAX_WAIT_MS: Final = 2**31 - 1
+
+CREATE_TABLE_SQL: Final = f"""
+CREATE TABLE IF NOT EXISTS {LEASE_TABLE} (
+    name varchar(255) NOT NULL PRIMARY KEY,
+    holder varchar(255) NULL,
+    token bigint NOT NULL,
+    acquired_at timestamp with time zone NOT NULL,
+    renewed_at timestamp with time zone NOT NULL,
+    expires_at timestamp with time zone NOT NULL
+)
+"""
+
+# One statement: the set_config in the FROM subquery runs before the row is inserted or
+# locked, so lock_timeout bounds the wait for a fenced row; set_config(..., true) ends
+# with the statement's own transaction (the lease connection is in autocommit), so it
+# is safe through a transaction pooler. A new name starts at token 1; a taken-over one
+# counts on from its row, which is never deleted.
+ACQUIRE_SQL: Final = f"""
+INSERT INTO {LEASE_TABLE} AS lease (name, holder, token, acquired_at, renewed_at, expires_at)
+SELECT %s, %s, 1, clock_timestamp(), clock_timestamp(),
+       clock_timestamp() + %s::float8 * interval '1 second'
+FROM (SELECT pg_catalog.set_config('lock_timeout', %s, true)) AS wait
+ON CONFLICT (name) DO UPDATE
+SET name = excluded.name, holder = excluded.holder, token = lease.token + 1,
+    acquired_at = excluded.acquired_at, renewed_at = excluded.renewed_at,
+    expires_at = excluded.expires_at
+WHERE lease.holder IS NULL OR lease.expires_at <= clock_timestamp()
+RETURNING lease.token
+"""
+
+# statement_timestamp(): one instant for the whole batch (the renewal's own transaction
+# started with the statement, so it is never earlier than when the renewal was sent).
+# The SKIP LOCKED subquery takes FOR NO KEY UPDATE on the rows it can, which a fence's
+# KEY SHARE allows; a row locked harder (a takeover in progress) is skipped this round
+# rather than holding up the other leases of the batch.
+RENEW_SQL: Final = f"""
+UPDATE {LEASE_TABLE} AS lease
+SET renewed_at = statement_timestamp(),
+    expires_at = statement_timestamp() + %s::float8 * interval '1 second'
+FROM unnest(%s::text[], %s::text[], %s::int8[]) AS mine(name, holder, token)
+WHERE lease.name = mine.name AND lease.holder = mine.holder AND lease.token = mine.token
+  AND lease.expires_at > clock_timestamp()
+  AND lease.name IN (
+    SELECT name FROM {LEASE_TABLE} WHERE name = ANY(%s::text[])
+    FOR NO KEY UPDATE SKIP LOCKED
+  )
+RETURNING lease.name
+"""
+
+RELEASE_SQL: Final = f"""
+UPDATE {LEASE_TABLE} SET holder = NULL, expires_at = clock_timestamp()
+WHERE name = %s AND holder = %s AND token = %s
+RETURNING token
+"""
+
+FENCE_SQL: Final = f"""
+SELECT token FROM {LEASE_TABLE}
+WHERE name = %s AND holder = %s AND token = %s AND expires_at > clock_timestamp()
+FOR KEY SHARE
+"""
+
+ROW_COLUMNS: Final = """
+SELECT name, holder, token,
+       EXTRACT(EPOCH FROM clock_timestamp() - acquired_at)::float8,
+       CASE WHEN holder IS NULL THEN NULL
+            ELSE EXTRACT(EPOCH FROM expires_at - clock_timestamp())::float8 END
+"""
+ROWS_SQL: Final = f"{ROW_COLUMNS} FROM {LEASE_TABLE} WHERE name = ANY(%s::text[])"
+LIST_SQL: Final = f"{ROW_COLUMNS} FROM {LEASE_TABLE} ORDER BY name"
+
+PRUNE_SQL: Final = f"""
+WITH pruned AS (
+  UPDATE {LEASE_TABLE} SET holder = NULL
+  WHERE holder IS NOT NULL
+    AND expires_at < clock_timestamp() - %s::float8 * interval '1 second'
+  RETURNING 1
+)
+SELECT count(*) FROM pruned
+"""
+
+_advisory = PostgresBackend()
+
+
+class PostgresLeaseBackend:
+    """Lease rows on PostgreSQL (and servers that speak its SQL)."""
+
+    dialect_name = "postgresql"
+    # One array parameter carries any number of names.
+    renew_batch_size = 10_000
+
+    def create_table(self) -> list[str]:
+        return [CREATE_TABLE_SQL]
+
+    def check_database(self, state: dict[str, Any]) -> StatementSteps[None]:
+        yield from ()
+
+    def renewer_setup(self, renew_every: float) -> list[str]:
+        return []
+
+    def acquire(
+        self, state: dict[str, Any], name: str, holder: str, ttl: float, *, lock_wait: Timeout
+    ) -> StatementSteps[Attempt]:
+        try:
+            rows = yield Statement(
+                ROWS, ACQUIRE_SQL, (name, holder, ttl, str(_lock_timeout_ms(lock_wait)))
+            )
+        except Exception as error:
+            if sqlstate_of(error) == LOCK_NOT_AVAILABLE:
+                return Attempt(None)  # a fenced transaction keeps the row locked
+            raise
+        if rows:
+            return Attempt(int(rows[0][0]))
+        current = yield from self.rows([name])
+        return Attempt(None, current[0].expires_in if current else None)
+
+    def renew(self, leases: Sequence[tuple[str, str, int]], ttl: float) -> StatementSteps[set[str]]:
+        names = [name for name, _holder, _token in leases]
+        holders = [holder for _name, holder, _token in leases]
+        tokens = [token for _name, _holder, token in leases]
+        rows = yield Statement(ROWS, RENEW_SQL, (ttl, names, holders, tokens, names))
+        return {str(row[0]) for row in rows}
+
+    def release(self, name: str, holder: str, token: int) -> StatementSteps[bool]:
+        rows = yield Statement(ROWS, RELEASE_SQL, (name, holder, token))
+        return bool(rows)
+
+    def fence(self, name: str, holder: str, token: int) -> StatementSteps[bool]:
+        rows = yield Statement(ROWS, FENCE_SQL, (name, holder, token))
+        return bool(rows)
+
+    def rows(self, names: Sequence[str]) -> StatementSteps[list[LeaseRow]]:
+        found = yield Statement(ROWS, ROWS_SQL, (list(names),))
+        return [_lease_row(row) for row in found]
+
+    def list_leases(self) -> StatementSteps[list[LeaseRow]]:
+        found = yield Statement(ROWS, LIST_SQL)
+        return [_lease_row(row) for row in found]
+
+    def prune(self, expired_for: float) -> StatementSteps[int]:
+        rows = yield Statement(ROWS, PRUNE_SQL, (expired_for,))
+        return int(rows[0][0])
+
+    def is_missing_table(self, error: BaseException) -> bool:
+        return sqlstate_of(error) == UNDEFINED_TABLE
+
+    def is_connection_failure(self, error: BaseException) -> bool:
+        return _advisory.is_connection_failure(error)
+
+
+def _lock_timeout_ms(lock_wait: Timeout) -> int:
+    if lock_wait is None:
+        return 0
+    return min(MAX_WAIT_MS, max(NO_WAIT_MS, math.ceil(lock_wait * 1000)))
+
+
+def _lease_row(row: Sequence[Any]) -> LeaseRow:
+    name, holder, token, held_for, expires_in = row
+    return LeaseRow(
+        name=str(name),
+        holder=None if holder is None else str(holder),
+        token=int(token),
+        held_for=None if held_for is None else float(held_for),
+        expires_in=None if expires_in is None else float(expires_in),
+    )

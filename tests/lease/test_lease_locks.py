@@ -1,0 +1,607 @@
+"""Lease locks on PostgreSQL, MariaDB and SQLite: exclusion, fencing tokens, renewal, loss.
+
+Every spec runs on the three databases through SQLAlchemy. Processes are spawned and
+frozen with SIGSTOP where a real pause is the point; waits are on events, queues or the
+database's own state, never on a sleep that hopes something happened meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, event, text
+
+import advisory_locks
+from advisory_locks import (
+    LeaseTableMissing,
+    LockLost,
+    LockNotAcquired,
+    LockStolen,
+    LockTimeout,
+    LockUsageError,
+    lease_lock,
+)
+from advisory_locks._core.renewer import renewer
+from advisory_locks.sqlalchemy import create_lease_table
+from tests.helpers import wait_for
+from tests.lease.conftest import LeaseDatabase, fenced_write
+from tests.lease.workers import hold_until_resumed, increment
+
+SPAWN = multiprocessing.get_context("spawn")
+START_SECONDS = 60.0
+
+
+def unique() -> str:
+    return f"lease-test:{uuid.uuid4()}"
+
+
+def url_text(lease_db: LeaseDatabase) -> str:
+    return lease_db.url.render_as_string(hide_password=False)
+
+
+def expire_now(lease_db: LeaseDatabase, name: str) -> None:
+    """Make the database see the lease as expired (as if its holder had stopped renewing)."""
+    expired = {
+        "postgresql": "clock_timestamp() - interval '1 second'",
+        "mariadb": "UTC_TIMESTAMP(6) - INTERVAL 1 SECOND",
+        "sqlite": "strftime('%Y-%m-%d %H:%M:%f', 'now', '-1 seconds')",
+    }[lease_db.kind]
+    with lease_db.admin.connect() as connection:
+        connection.execute(
+            text(f"UPDATE advisory_locks_lease SET expires_at = {expired} WHERE name = :name"),
+            {"name": name},
+        )
+
+
+# -- exclusion and tokens ------------------------------------------------------------------
+
+
+def test_token_strictly_increases_across_holders_and_survives_prune(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    tokens = []
+    for _ in range(3):
+        with lease_lock(lease_db.engine, name, timeout=0) as lease:
+            tokens.append(lease.token)
+    holder = lease_lock(lease_db.engine, name, ttl=5, timeout=0)
+    assert holder.acquire()
+    tokens.append(holder.token)
+    renewer().forget(holder._holding)  # type: ignore[arg-type] # stop renewing: it expires
+    expire_now(lease_db, name)
+    pruned = run_prune(lease_db, expired_for=0.0)
+    assert pruned >= 1
+    row = lease_db.row(name)
+    assert row is not None
+    assert row.holder is None
+    assert row.token == tokens[-1]
+    with lease_lock(lease_db.engine, name, timeout=0) as lease:
+        tokens.append(lease.token)
+    assert tokens == list(range(tokens[0], tokens[0] + 5))
+    assert tokens[0] == 1
+
+
+def run_prune(lease_db: LeaseDatabase, expired_for: float) -> int:
+    from advisory_locks._bindings.sqlalchemy_lease import lease_site
+    from advisory_locks._core.steps import on, run_steps
+
+    site = lease_site(lease_db.engine)
+    borrowed = site.borrow(transaction=False)
+    try:
+        return int(run_steps(on(borrowed.executor, site.backend.prune(expired_for))))
+    finally:
+        borrowed.settle()
+
+
+def test_prune_leaves_unexpired_and_recently_expired_leases_alone(lease_db: LeaseDatabase) -> None:
+    held, recent = unique(), unique()
+    with lease_lock(lease_db.engine, held, timeout=0):
+        other = lease_lock(lease_db.engine, recent, ttl=5, timeout=0)
+        assert other.acquire()
+        renewer().forget(other._holding)  # type: ignore[arg-type]
+        expire_now(lease_db, recent)
+        run_prune(lease_db, expired_for=3600.0)
+        assert lease_db.row(held).holder is not None  # type: ignore[union-attr]
+        assert lease_db.row(recent).holder is not None  # type: ignore[union-attr]
+
+
+def test_two_lock_objects_for_one_name_exclude_each_other_in_one_thread(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    first = lease_lock(lease_db.engine, name, timeout=0)
+    second = lease_lock(lease_db.engine, name, timeout=0)
+    assert first.acquire()
+    assert not second.acquire()
+    with pytest.raises(LockNotAcquired), second:
+        pass
+    first.release()
+    assert second.acquire()
+    assert second.token == first.token + 1  # type: ignore[operator]
+    second.release()
+
+
+def test_acquiring_a_held_lease_object_again_is_a_usage_error(lease_db: LeaseDatabase) -> None:
+    lease = lease_lock(lease_db.engine, unique(), timeout=0)
+    with lease, pytest.raises(LockUsageError):
+        lease.acquire()
+    with pytest.raises(LockUsageError):
+        lease.release()
+
+
+def test_token_is_available_inside_the_block_and_in_the_row(lease_db: LeaseDatabase) -> None:
+    name = unique()
+    with lease_lock(lease_db.engine, name) as lease:
+        row = lease_db.row(name)
+        assert row is not None
+        assert row.token == lease.token
+        assert lease.held
+        assert 25 < row.expires_in <= 30.5
+    assert not lease.held
+    row = lease_db.row(name)
+    assert row is not None
+    assert row.holder is None
+
+
+def test_holding_a_lease_pins_no_pooled_connection(lease_db: LeaseDatabase) -> None:
+    engine = create_engine(lease_db.url, pool_size=1, max_overflow=0, pool_timeout=5)
+    try:
+        with lease_lock(engine, unique(), ttl=3) as lease:
+            assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+            with engine.connect() as connection:  # the pool's only connection is free
+                connection.execute(text("SELECT 1"))
+            assert lease.held
+    finally:
+        engine.dispose()
+
+
+def test_a_session_bind_leases_through_its_engine_not_its_transaction(
+    lease_db: LeaseDatabase,
+) -> None:
+    from sqlalchemy.orm import Session
+
+    name = unique()
+    with Session(lease_db.engine) as session:
+        session.execute(text("SELECT 1"))  # the Session's transaction is open
+        with lease_lock(session, name, timeout=0):
+            session.rollback()  # does not undo the lease
+            assert lease_db.row(name).holder is not None  # type: ignore[union-attr]
+            assert not lease_lock(lease_db.engine, name, timeout=0).acquire()
+
+
+def test_two_processes_incrementing_under_one_lease_lose_no_update(lease_db: LeaseDatabase) -> None:
+    name = unique()
+    start = SPAWN.Event()
+    workers = [
+        SPAWN.Process(target=increment, args=(url_text(lease_db), name, 5, 2.0, f"w{n}", start))
+        for n in range(3)
+    ]
+    for worker in workers:
+        worker.start()
+    start.set()
+    for worker in workers:
+        worker.join(120)
+        assert worker.exitcode == 0
+    writes = lease_db.writes(f"{os.environ.get('ADVISORY_LOCKS_PREFIX', '')}{name}")
+    assert [value for _token, _writer, value in writes] == list(range(1, 16))
+    tokens = [token for token, _writer, _value in writes]
+    assert tokens == sorted(tokens)
+    assert len(set(tokens)) == 15
+
+
+# -- waiting -------------------------------------------------------------------------------
+
+
+def test_timeout_zero_returns_at_once_and_timeout_t_waits_about_t(lease_db: LeaseDatabase) -> None:
+    name = unique()
+    with lease_lock(lease_db.engine, name):
+        start = time.monotonic()
+        assert not lease_lock(lease_db.engine, name, timeout=0).acquire()
+        assert time.monotonic() - start < 1.0
+        start = time.monotonic()
+        with pytest.raises(LockTimeout), lease_lock(lease_db.engine, name, timeout=0.6):
+            pass
+        assert 0.6 <= time.monotonic() - start < 2.0
+
+
+def test_a_waiter_without_timeout_gets_the_lease_when_the_holder_releases(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    holder = lease_lock(lease_db.engine, name, ttl=30)
+    assert holder.acquire()
+    got: list[int | None] = []
+    waiting = threading.Event()
+
+    def wait() -> None:
+        waiting.set()
+        with lease_lock(lease_db.engine, name, timeout=None) as lease:
+            got.append(lease.token)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    waiting.wait(5)
+    assert not got
+    holder.release()
+    thread.join(10)  # the waiter reads a 30 s expiry but wakes within the 2 s cap
+    assert got == [holder.token + 1]  # type: ignore[operator]
+
+
+def test_a_lease_whose_holder_stopped_renewing_is_taken_over_once_expired_not_before(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    stale = lease_lock(lease_db.engine, name, ttl=1.5, timeout=0)
+    assert stale.acquire()
+    renewer().forget(stale._holding)  # type: ignore[arg-type] # as if the process froze
+    assert not lease_lock(lease_db.engine, name, timeout=0).acquire()
+    start = time.monotonic()
+    with lease_lock(lease_db.engine, name, timeout=10) as thief:
+        waited = time.monotonic() - start
+        assert thief.token == stale.token + 1  # type: ignore[operator]
+    assert 0.5 < waited < 4.0
+
+
+# -- renewal and loss ----------------------------------------------------------------------
+
+
+def test_a_held_lease_is_renewed_past_its_ttl(lease_db: LeaseDatabase) -> None:
+    name = unique()
+    with lease_lock(lease_db.engine, name, ttl=1.0) as lease:
+        deadline = time.monotonic() + 3.0  # three ttls
+        while time.monotonic() < deadline:
+            assert not lease_lock(lease_db.engine, name, timeout=0).acquire()
+            time.sleep(0.2)
+        lease.ensure_held()
+        assert lease.held
+        assert not lease.lost.is_set()
+
+
+def test_one_renewer_renews_many_leases_in_one_statement_per_period(
+    lease_db: LeaseDatabase,
+) -> None:
+    names = [unique() for _ in range(60)]
+    leases = [lease_lock(lease_db.engine, name, ttl=3.0, timeout=0) for name in names]
+    for lease in leases:
+        assert lease.acquire()
+    try:
+        first = {name: lease_db.row(name).renewed_at for name in names}  # type: ignore[union-attr]
+        wait_for(
+            lambda: all(lease_db.row(n).renewed_at != first[n] for n in names),  # type: ignore[union-attr]
+            "every lease was renewed",
+        )
+        wait_for(
+            lambda: len({lease_db.row(n).renewed_at for n in names}) == 1,  # type: ignore[union-attr]
+            "one renewal statement renewed them all at one instant",
+        )
+        assert sum(t.name == "advisory-locks-renewer" for t in threading.enumerate()) == 1
+    finally:
+        for lease in leases:
+            lease.release()
+
+
+def test_a_with_block_raises_lock_stolen_at_exit_when_taken_over_inside(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    thief = lease_lock(lease_db.engine, name, ttl=30, timeout=0)
+
+    def block() -> None:
+        with lease_lock(lease_db.engine, name, ttl=3.0) as lease:
+            expire_now(lease_db, name)
+            assert thief.acquire()
+            assert lease.lost.wait(lease.options.period + 0.5)  # one renewal finds it taken
+            assert not lease.held
+            with pytest.raises(LockStolen):
+                lease.ensure_held()
+
+    with pytest.raises(LockStolen) as raised:
+        block()
+    assert raised.value.token == thief.token
+    assert raised.value.holder is not None
+    thief.release()
+
+
+def test_an_expired_lease_nobody_took_is_lock_lost_not_stolen(lease_db: LeaseDatabase) -> None:
+    name = unique()
+    lease = lease_lock(lease_db.engine, name, ttl=3.0)
+    assert lease.acquire()
+    expire_now(lease_db, name)
+    assert lease.lost.wait(lease.options.period + 0.5)
+    with pytest.raises(LockLost) as raised:
+        lease.release()
+    assert type(raised.value) is LockLost
+
+
+def test_a_frozen_holder_learns_it_was_stolen_and_its_fenced_write_is_refused(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    ttl, period = 1.5, 0.4
+    report = SPAWN.Queue()
+    resumed = SPAWN.Event()
+    child = SPAWN.Process(
+        target=hold_until_resumed, args=(url_text(lease_db), name, ttl, period, report, resumed)
+    )
+    child.start()
+    try:
+        kind, stale_token = report.get(timeout=START_SECONDS)
+        assert kind == "acquired"
+        os.kill(child.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        # Waits by the expiry it reads: about ttl after the child's last renewal.
+        with lease_lock(lease_db.engine, name, ttl=30, timeout=10) as thief:
+            assert thief.token == stale_token + 1
+            fenced_write(thief, lease_db.engine, "thief")
+            os.kill(child.pid, signal.SIGCONT)  # type: ignore[arg-type]
+            resumed.set()
+            kind, outcome = report.get(timeout=START_SECONDS)
+        child.join(30)
+    finally:
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGCONT)  # type: ignore[arg-type]
+            child.kill()
+    assert kind == "done"
+    assert outcome["lost_after"] is not None
+    assert outcome["lost_after"] <= period
+    assert outcome == {
+        "lost_after": outcome["lost_after"],
+        "held": False,
+        "ensure_held": "LockStolen",
+        "fence": "LockStolen",
+        "exit": "LockStolen",
+    }
+    prefix = os.environ.get("ADVISORY_LOCKS_PREFIX", "")
+    assert lease_db.writes(prefix + name) == [(stale_token + 1, "thief", 0)]
+
+
+def test_a_fenced_transaction_keeps_a_takeover_out_until_it_ends(lease_db: LeaseDatabase) -> None:
+    name = unique()
+    lease = lease_lock(lease_db.engine, name, ttl=1.0)
+    assert lease.acquire()
+    thief = lease_lock(lease_db.engine, name, ttl=30, timeout=0)
+    with lease_db.engine.connect() as connection, connection.begin():
+        lease.fence(connection)
+        renewer().forget(lease._holding)  # type: ignore[arg-type] # the holder stops renewing
+        wait_for(
+            lambda: lease_db.row(name).expires_in < 0,  # type: ignore[union-attr]
+            "the lease expired by the database's clock",
+        )
+        assert not thief.acquire()  # expired, but fenced: held all the same
+        start = time.monotonic()
+        assert not lease_lock(lease_db.engine, name, ttl=30, timeout=0.5).acquire()
+        assert time.monotonic() - start < 3.0
+        # The fencing transaction committed: the takeover goes ahead.
+    assert thief.acquire()
+    thief.release()
+
+
+@pytest.mark.parametrize("lease_db", ["postgresql"], indirect=True)
+def test_a_fence_does_not_block_the_owners_own_renewals_on_postgresql(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    with lease_lock(lease_db.engine, name, ttl=1.0) as lease:
+        with lease_db.engine.begin() as connection:
+            lease.fence(connection)
+            before = lease_db.row(name).renewed_at  # type: ignore[union-attr]
+            wait_for(
+                lambda: lease_db.row(name).renewed_at != before,  # type: ignore[union-attr]
+                "the renewer renewed the fenced lease",
+                timeout=2.0,
+            )
+            lease.fence(connection)  # still ours, in the same transaction
+        lease.ensure_held()
+
+
+def test_the_database_clock_decides_whatever_the_client_clock_says(
+    lease_db: LeaseDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_time = time.time
+    name = unique()
+    for hours in (+6, -6):
+        monkeypatch.setattr(time, "time", lambda h=hours: real_time() + h * 3600)
+        with lease_lock(lease_db.engine, name, ttl=5.0) as lease:
+            row = lease_db.row(name)
+            assert row is not None
+            assert 4.0 < row.expires_in <= 5.5
+            assert not lease_lock(lease_db.engine, name, timeout=0).acquire()
+            lease.ensure_held()
+
+
+# -- renewal failures ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_renewal_errors_are_logged_and_retried_and_the_renewer_survives(
+    lease_db: LeaseDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tests.lease.proxy import TcpProxy
+
+    with TcpProxy(lease_db.url.host or "127.0.0.1", lease_db.url.port or 0) as proxy:
+        engine = create_engine(lease_db.url.set(host="127.0.0.1", port=proxy.port))
+        caplog.set_level(logging.WARNING, logger="advisory_locks")
+        lease = lease_lock(engine, unique(), ttl=4.0, renew_every=0.5)
+        assert lease.acquire()
+        try:
+            proxy.cut()  # every connection through it dies; new ones are refused
+            wait_for(
+                lambda: sum("renewing" in r.getMessage() for r in caplog.records) >= 2,
+                "two failed renewals were logged",
+            )
+            assert lease.held  # within ttl - margin: not lost yet
+            proxy.restore()
+            renewed = lease_db.row(lease.lease_name).renewed_at  # type: ignore[union-attr]
+            wait_for(
+                lambda: lease_db.row(lease.lease_name).renewed_at != renewed,  # type: ignore[union-attr]
+                "the renewer renewed again through the restored network",
+            )
+            assert not lease.lost.is_set()
+            lease.ensure_held()
+        finally:
+            lease.release()
+            engine.dispose()
+
+
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_an_unreachable_database_loses_the_lease_locally_ttl_minus_margin_after_the_last_renewal(
+    lease_db: LeaseDatabase,
+) -> None:
+    from tests.lease.proxy import TcpProxy
+
+    with TcpProxy(lease_db.url.host or "127.0.0.1", lease_db.url.port or 0) as proxy:
+        engine = create_engine(lease_db.url.set(host="127.0.0.1", port=proxy.port))
+        ttl = 2.0
+        lease = lease_lock(engine, unique(), ttl=ttl, renew_every=0.5)
+        assert lease.acquire()
+        proxy.cut()
+        cut = time.monotonic()
+        assert lease.lost.wait(ttl + 1)
+        # Declared lost by its own deadline: ttl - margin after the last renewal SENT,
+        # which was at most one period before the cut.
+        assert time.monotonic() - cut <= ttl * 0.9 + 0.2
+        assert not lease.held
+        with pytest.raises(LockLost) as raised:
+            lease.ensure_held()
+        assert type(raised.value) is LockLost  # nobody could be asked: not "stolen"
+        with pytest.raises(LockLost):
+            lease.release()
+        engine.dispose()
+
+
+# -- bad input and a missing table ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"ttl": 0}, ValueError),
+        ({"ttl": -1}, ValueError),
+        ({"ttl": float("nan")}, ValueError),
+        ({"ttl": float("inf")}, ValueError),
+        ({"ttl": "30"}, TypeError),
+        ({"ttl": True}, TypeError),
+        ({"ttl": 30, "renew_every": 27}, ValueError),
+        ({"ttl": 30, "renew_every": 30}, ValueError),
+        ({"ttl": 30, "renew_every": 0}, ValueError),
+        ({"ttl": 30, "renew_every": float("nan")}, ValueError),
+        ({"timeout": -1}, ValueError),
+        ({"timeout": float("nan")}, ValueError),
+        ({"key_prefix": 1.5}, TypeError),
+    ],
+)
+def test_bad_options_are_refused_before_any_connection(
+    options: dict[str, Any], error: type
+) -> None:
+    engine = create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")
+    connects: list[object] = []
+    event.listen(engine, "connect", lambda *args: connects.append(args))
+    with pytest.raises(error):
+        lease_lock(engine, "job", **options)
+    assert connects == []
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("", ValueError),
+        ("x" * 256, ValueError),
+        ("a\x00b", ValueError),
+        (42, TypeError),
+        (("a", "b"), TypeError),
+        (None, TypeError),
+    ],
+)
+def test_bad_names_are_refused_before_any_connection(name: Any, error: type) -> None:
+    engine = create_engine("sqlite:///:memory:")
+    with pytest.raises(error):
+        lease_lock(engine, name, key_prefix="")
+
+
+def test_renew_every_just_below_ttl_minus_margin_is_accepted() -> None:
+    engine = create_engine("sqlite:///:memory:")
+    assert lease_lock(engine, "job", ttl=30, renew_every=26.9).options.period == 26.9
+    assert lease_lock(engine, "job", ttl=30).options.period == 10.0
+
+
+def test_a_missing_table_is_an_error_that_says_how_to_create_it(
+    lease_db: LeaseDatabase, tmp_path: Any
+) -> None:
+    url = missing_table_url(lease_db, tmp_path)
+    engine = create_engine(url)
+    try:
+        with pytest.raises(LeaseTableMissing) as raised:
+            lease_lock(engine, unique(), timeout=0).acquire()
+        message = str(raised.value)
+        assert "advisory_locks_lease" in message
+        assert "create_lease_table(engine)" in message
+        assert "lease_table(metadata)" in message
+        assert "migrate" in message
+        create_lease_table(engine)
+        with lease_lock(engine, unique(), timeout=0) as lease:
+            assert lease.token == 1
+    finally:
+        engine.dispose()
+        drop_missing_table_database(lease_db, url)
+
+
+def missing_table_url(lease_db: LeaseDatabase, tmp_path: Any) -> Any:
+    if lease_db.kind == "sqlite":
+        return f"sqlite:///{tmp_path / 'empty.sqlite'}"
+    scratch = f"lease_missing_{uuid.uuid4().hex[:12]}"
+    with lease_db.admin.connect() as connection:
+        if lease_db.kind == "postgresql":
+            connection.exec_driver_sql(f"CREATE SCHEMA {scratch}")
+            return lease_db.url.update_query_dict({"options": f"-csearch_path={scratch}"})
+        connection.exec_driver_sql(f"CREATE DATABASE {scratch}")
+        return lease_db.url.set(database=scratch)
+
+
+def drop_missing_table_database(lease_db: LeaseDatabase, url: Any) -> None:
+    if lease_db.kind == "postgresql":
+        scratch = url.query["options"].split("=")[1]
+        with lease_db.admin.connect() as connection:
+            connection.exec_driver_sql(f"DROP SCHEMA {scratch} CASCADE")
+    elif lease_db.kind == "mariadb":
+        with lease_db.admin.connect() as connection:
+            connection.exec_driver_sql(f"DROP DATABASE {url.database}")
+
+
+def test_the_sqlalchemy_table_is_the_table_the_library_uses(
+    lease_db: LeaseDatabase, tmp_path: Any
+) -> None:
+    from sqlalchemy import MetaData
+
+    from advisory_locks.sqlalchemy import lease_table
+
+    url = missing_table_url(lease_db, tmp_path)
+    engine = create_engine(url)
+    try:
+        metadata = MetaData()
+        table = lease_table(metadata)
+        assert lease_table(metadata) is table
+        metadata.create_all(engine)
+        name = unique()
+        with lease_lock(engine, name, ttl=1.0, timeout=0) as lease:
+            wait_for(lambda: bool(renewer().holdings()), "the renewer holds it")
+            assert not lease_lock(engine, name, timeout=0).acquire()
+            with engine.begin() as connection:
+                lease.fence(connection)
+        with lease_lock(engine, name, timeout=0) as lease:
+            assert lease.token == 2
+    finally:
+        engine.dispose()
+        drop_missing_table_database(lease_db, url)
+
+
+def test_sqlite_in_memory_cannot_hold_leases() -> None:
+    engine = create_engine("sqlite:///:memory:")
+    with pytest.raises(advisory_locks.UnsupportedFeature, match="in-memory"):
+        lease_lock(engine, "job", timeout=0).acquire()

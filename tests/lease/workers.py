@@ -1,0 +1,75 @@
+"""Lease holders run in their own processes (spawned: they share nothing with the test
+but the database and the queues/events handed to them)."""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+from typing import Any
+
+from sqlalchemy import create_engine, text
+
+from advisory_locks import LockLost, lease_lock
+from tests.lease.conftest import fenced_write
+
+
+def hold_until_resumed(
+    url: str, name: str, ttl: float, renew_every: float, report: Queue[Any], resumed: Event
+) -> None:
+    """Hold ``name``; once ``resumed`` is set (after the test froze and thawed this
+    process), report what the holder learns: how soon ``lost`` was set, what
+    ``ensure_held()``, a fenced write and the ``with`` exit raised."""
+    engine = create_engine(url)
+    outcome: dict[str, Any] = {}
+    try:
+        with lease_lock(engine, name, ttl=ttl, renew_every=renew_every, timeout=10) as lease:
+            report.put(("acquired", lease.token))
+            resumed.wait()
+            start = time.monotonic()
+            outcome["lost_after"] = (
+                time.monotonic() - start if lease.lost.wait(renew_every) else None
+            )
+            outcome["held"] = lease.held
+            for step, action in (
+                ("ensure_held", lease.ensure_held),
+                ("fence", lambda: fenced_write(lease, engine, "stale")),
+            ):
+                try:
+                    action()
+                    outcome[step] = None
+                except LockLost as error:
+                    outcome[step] = type(error).__name__
+    except LockLost as error:
+        outcome["exit"] = type(error).__name__
+    else:
+        outcome["exit"] = None
+    engine.dispose()
+    report.put(("done", outcome))
+
+
+def increment(url: str, name: str, times: int, ttl: float, writer: str, start: Event) -> None:
+    """``times`` read-modify-write increments of one counter, each under the lease and
+    guarded by its fence: value = highest value so far + 1, recorded with the token."""
+    engine = create_engine(url)
+    start.wait()
+    for _ in range(times):
+        with lease_lock(engine, name, ttl=ttl, timeout=120) as lease, engine.begin() as connection:
+            lease.fence(connection)
+            current = connection.execute(
+                text("SELECT MAX(value) FROM lease_test_writes WHERE name = :name"),
+                {"name": lease.lease_name},
+            ).scalar()
+            connection.execute(
+                text(
+                    "INSERT INTO lease_test_writes (name, token, writer, value) "
+                    "VALUES (:name, :token, :writer, :value)"
+                ),
+                {
+                    "name": lease.lease_name,
+                    "token": lease.token,
+                    "writer": writer,
+                    "value": (current or 0) + 1,
+                },
+            )
+    engine.dispose()

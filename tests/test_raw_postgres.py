@@ -1,0 +1,530 @@
+"""Raw blocking PostgreSQL drivers as binds: psycopg 3, psycopg_pool and psycopg2.
+
+No SQLAlchemy in the path: ``advisory_lock(conn, ...)`` on the driver's own connection
+(or pool). pg_locks, read over a separate admin connection, is the witness of what the
+server holds; the driver's own transaction status is the witness of what the lock did to
+the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import psycopg2
+import psycopg2.extensions
+import pytest
+from psycopg.pq import TransactionStatus
+from psycopg.rows import TupleRow
+from psycopg_pool import ConnectionPool
+from sqlalchemy.engine import URL
+
+from advisory_locks import (
+    AdvisoryLock,
+    AdvisoryLockError,
+    LockLost,
+    LockNotAcquired,
+    LockTimeout,
+    UnsupportedFeature,
+    advisory_lock,
+    advisory_lock_set,
+    current_advisory_locks,
+    declare_pooler,
+)
+from advisory_locks.keys import LockName
+from tests.helpers import backend_alive, holder_pids, lock_rows, unique_name, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+Admin = psycopg.Connection[TupleRow]
+# psycopg2's transaction status numbers are libpq's, like psycopg 3's.
+IDLE = int(TransactionStatus.IDLE)
+INTRANS = int(TransactionStatus.INTRANS)
+
+
+def libpq_url(url: URL) -> str:
+    """The test server as a libpq connection string (what raw drivers take)."""
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class RawTarget:
+    """One kind of raw bind: makes connections (or the pool) and says how they behave."""
+
+    def __init__(self, kind: str, dsn: str) -> None:
+        self.kind = kind
+        self.dsn = dsn
+        self._closers: list[Callable[[], None]] = []
+        self.pool: ConnectionPool[Any] | None = None
+
+    @property
+    def autocommit(self) -> bool:
+        return self.kind.endswith("autocommit") or self.kind == "psycopg_pool"
+
+    def connect(self, **options: Any) -> Any:
+        if self.kind.startswith("psycopg2"):
+            connection: Any = psycopg2.connect(self.dsn)
+            connection.autocommit = self.autocommit
+        else:
+            options.setdefault("autocommit", self.autocommit)
+            connection = psycopg.connect(self.dsn, **options)
+        self._closers.append(connection.close)
+        return connection
+
+    def bind(self) -> Any:
+        """What the tests lock on: a fresh connection, or the pool."""
+        if self.kind != "psycopg_pool":
+            return self.connect()
+        if self.pool is None:
+            self.pool = ConnectionPool(self.dsn, min_size=1, max_size=4, open=True)
+            self._closers.append(self.pool.close)
+        return self.pool
+
+    def status(self, connection: Any) -> int:
+        if isinstance(connection, psycopg2.extensions.connection):
+            return int(connection.get_transaction_status())
+        return int(connection.pgconn.transaction_status)
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            close()
+
+
+RAW_KINDS = ["psycopg", "psycopg.autocommit", "psycopg2", "psycopg2.autocommit", "psycopg_pool"]
+CONNECTION_KINDS = [kind for kind in RAW_KINDS if kind != "psycopg_pool"]
+
+
+@pytest.fixture(params=RAW_KINDS)
+def target(request: pytest.FixtureRequest, postgres_url: URL) -> Iterator[RawTarget]:
+    target = RawTarget(request.param, libpq_url(postgres_url))
+    yield target
+    target.close()
+
+
+@pytest.fixture(params=CONNECTION_KINDS)
+def connection_target(request: pytest.FixtureRequest, postgres_url: URL) -> Iterator[RawTarget]:
+    target = RawTarget(request.param, libpq_url(postgres_url))
+    yield target
+    target.close()
+
+
+@pytest.fixture
+def dsn(postgres_url: URL) -> str:
+    return libpq_url(postgres_url)
+
+
+def is_free(dsn: str, name: LockName) -> bool:
+    """Whether another connection can take ``name`` at once (it gives it back)."""
+    with psycopg.connect(dsn, autocommit=True) as other:
+        lock = advisory_lock(other, name, timeout=0)
+        if not lock.acquire():
+            return False
+        lock.release()
+        return True
+
+
+def held(lock: Any) -> bool:
+    """``lock.held`` read anew (mypy keeps a property narrowed by an earlier assert)."""
+    return bool(lock.held)
+
+
+def open_transaction(target: RawTarget, connection: Any) -> Any:
+    """A context in which ``connection`` is inside a transaction the caller owns."""
+    if isinstance(connection, psycopg2.extensions.connection):
+        # psycopg2: `with conn:` commits at the end; the first statement begins it.
+        connection.autocommit = False
+        return connection
+    return connection.transaction()
+
+
+# -- every bind, every mode ------------------------------------------------------------------
+
+MODES = [
+    pytest.param({"timeout": None}, id="wait"),
+    pytest.param({"timeout": 0}, id="try"),
+    pytest.param({"timeout": 2.5}, id="timeout"),
+    pytest.param({"shared": True}, id="shared"),
+    pytest.param({"shared": True, "timeout": 0}, id="shared-try"),
+    pytest.param({"shared": True, "timeout": 2.5}, id="shared-timeout"),
+]
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_a_session_lock_is_held_by_the_server_in_its_block_and_released_after(
+    target: RawTarget, pg_admin: Admin, options: dict[str, Any]
+) -> None:
+    name = unique_name("raw-session")
+    bind = target.bind()
+    with advisory_lock(bind, name, **options) as lock:
+        assert isinstance(lock, AdvisoryLock)
+        assert lock.held
+        rows = [row for row in lock_rows(pg_admin, name) if row.granted]
+        assert len(rows) == 1
+        assert rows[0].mode == ("ShareLock" if options.get("shared") else "ExclusiveLock")
+        assert current_advisory_locks(bind) == [name]
+    assert not held(lock)
+    assert holder_pids(pg_admin, name) == []
+    assert current_advisory_locks(bind) == []
+
+
+@pytest.mark.parametrize("options", MODES)
+def test_a_transaction_lock_lives_in_the_drivers_transaction(
+    connection_target: RawTarget, pg_admin: Admin, options: dict[str, Any]
+) -> None:
+    name = unique_name("raw-xact")
+    connection = connection_target.connect()
+    with open_transaction(connection_target, connection):
+        with advisory_lock(connection, name, transaction=True, **options) as lock:
+            assert lock.held
+            assert len(holder_pids(pg_admin, name)) == 1
+        # Leaving the block does not release a transaction lock: its transaction does.
+        assert len(holder_pids(pg_admin, name)) == 1
+        assert current_advisory_locks(connection) == [name]
+    assert connection_target.status(connection) == IDLE
+    assert holder_pids(pg_admin, name) == []
+    assert current_advisory_locks(connection) == []
+
+
+def test_a_transaction_lock_on_a_pool_is_refused_before_checking_out(dsn: str) -> None:
+    with ConnectionPool(dsn, min_size=0, max_size=1, open=True) as pool:
+        with pytest.raises(UnsupportedFeature, match="a pool has none"):
+            advisory_lock(pool, unique_name(), transaction=True)
+        assert pool.get_stats().get("connections_num", 0) == 0
+
+
+@pytest.mark.parametrize("kind", ["psycopg.autocommit", "psycopg2.autocommit"])
+def test_a_transaction_lock_outside_a_transaction_in_autocommit_is_refused(
+    dsn: str, pg_admin: Admin, kind: str
+) -> None:
+    target = RawTarget(kind, dsn)
+    try:
+        connection = target.connect()
+        name = unique_name("raw-xact-refused")
+        with (
+            pytest.raises(UnsupportedFeature, match="needs a transaction"),
+            advisory_lock(connection, name, transaction=True),
+        ):
+            pytest.fail("the block must not run")
+        assert holder_pids(pg_admin, name) == []
+    finally:
+        target.close()
+
+
+# -- exclusion, timeouts, waiting -------------------------------------------------------------
+
+
+def test_a_held_lock_excludes_another_connection(target: RawTarget, dsn: str) -> None:
+    name = unique_name("raw-exclusion")
+    with advisory_lock(target.bind(), name):
+        assert not is_free(dsn, name)
+        other = RawTarget(target.kind, dsn)
+        try:
+            assert advisory_lock(other.bind(), name, timeout=0).acquire() is False
+        finally:
+            other.close()
+    assert is_free(dsn, name)
+
+
+def test_timeout_t_gives_up_after_about_t_with_lock_timeout(target: RawTarget, dsn: str) -> None:
+    name = unique_name("raw-timeout")
+    with psycopg.connect(dsn, autocommit=True) as holder, advisory_lock(holder, name):
+        bind = target.bind()
+        started = time.monotonic()
+        with pytest.raises(LockTimeout), advisory_lock(bind, name, timeout=0.4):
+            pytest.fail("the block must not run")
+        assert 0.35 <= time.monotonic() - started < 5
+        with pytest.raises(LockNotAcquired), advisory_lock(bind, name, timeout=0):
+            pytest.fail("the block must not run")
+
+
+def test_a_blocked_waiter_wakes_when_the_holder_releases(target: RawTarget, dsn: str) -> None:
+    name = unique_name("raw-wake")
+    granted = threading.Event()
+    errors: list[BaseException] = []
+    bind = target.bind()
+
+    def wait() -> None:
+        try:
+            with advisory_lock(bind, name, timeout=None):
+                granted.set()
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    with psycopg.connect(dsn, autocommit=True) as holder:
+        lock = advisory_lock(holder, name)
+        lock.acquire()
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            wait_for(lambda: any(not r.granted for r in lock_rows(admin, name)), "queued")
+        assert not granted.is_set()
+        lock.release()
+        assert granted.wait(10)
+        thread.join(10)
+    assert errors == []
+
+
+# -- re-entrancy and the caller's transaction ------------------------------------------------
+
+
+def test_retaking_a_name_on_one_connection_is_counted_without_sql(
+    connection_target: RawTarget, pg_admin: Admin, dsn: str
+) -> None:
+    name = unique_name("raw-reentrant")
+    connection = connection_target.connect()
+    with advisory_lock(connection, name):
+        with advisory_lock(connection, name, timeout=0) as inner:
+            assert inner.held
+        assert not is_free(dsn, name)
+    assert is_free(dsn, name)
+    # pg_locks would show two session holds stacked as one row; the count proves one take.
+    assert holder_pids(pg_admin, name) == []
+
+
+def test_a_session_lock_on_an_idle_connection_leaves_no_transaction_open(
+    connection_target: RawTarget, dsn: str
+) -> None:
+    name = unique_name("raw-idle")
+    connection = connection_target.connect()
+    lock = advisory_lock(connection, name, timeout=1)
+    assert lock.acquire()
+    assert connection_target.status(connection) == IDLE
+    assert not is_free(dsn, name)
+    lock.release()
+    assert connection_target.status(connection) == IDLE
+    assert connection.autocommit is connection_target.autocommit
+    assert is_free(dsn, name)
+
+
+def test_a_session_lock_in_the_callers_transaction_survives_its_rollback(
+    connection_target: RawTarget, dsn: str
+) -> None:
+    name = unique_name("raw-survives")
+    connection = connection_target.connect()
+    connection.autocommit = False
+    cursor = connection.cursor()
+    cursor.execute("SELECT 1")
+    with advisory_lock(connection, name, timeout=2):
+        assert connection_target.status(connection) == INTRANS
+        connection.rollback()
+        assert not is_free(dsn, name)
+        cursor.execute("SELECT 1")
+        connection.commit()
+        assert not is_free(dsn, name)
+    assert connection_target.status(connection) == IDLE
+    assert is_free(dsn, name)
+
+
+def test_a_timed_out_wait_inside_a_transaction_leaves_it_usable(
+    connection_target: RawTarget, dsn: str
+) -> None:
+    name = unique_name("raw-timeout-in-transaction")
+    connection = connection_target.connect()
+    connection.autocommit = False
+    cursor = connection.cursor()
+    with psycopg.connect(dsn, autocommit=True) as holder, advisory_lock(holder, name):
+        cursor.execute("SET LOCAL lock_timeout = '7s'")
+        for transaction in (False, True):
+            assert not advisory_lock(
+                connection, name, timeout=0.2, transaction=transaction
+            ).acquire()
+            cursor.execute("SELECT current_setting('lock_timeout')")
+            assert cursor.fetchone()[0] == "7s"
+    connection.commit()
+
+
+def test_a_transaction_lock_is_taken_again_in_the_next_transaction(
+    connection_target: RawTarget, dsn: str
+) -> None:
+    # The driver cannot tell one transaction from the next: a lock recorded for the first
+    # must not stand for the second (which would then run unprotected).
+    name = unique_name("raw-next-transaction")
+    connection = connection_target.connect()
+    connection.autocommit = False
+    cursor = connection.cursor()
+    kept = advisory_lock(connection, name, transaction=True)
+    assert kept.acquire()  # still counted by this object when the transaction ends
+    for _ in range(2):
+        with advisory_lock(connection, name, transaction=True, timeout=0):
+            assert not is_free(dsn, name)
+        connection.commit()
+        assert is_free(dsn, name)
+        cursor.execute("SELECT 1")  # the next transaction is open before the lock is asked
+    assert not kept.held
+    connection.rollback()
+
+
+def test_a_transaction_lock_is_free_for_another_connection_once_committed(
+    connection_target: RawTarget, dsn: str
+) -> None:
+    name = unique_name("raw-implicit")
+    connection = connection_target.connect()
+    connection.autocommit = False
+    lock = advisory_lock(connection, name, transaction=True, timeout=1)
+    assert lock.acquire()
+    assert connection_target.status(connection) == INTRANS  # the lock began it, as DB-API does
+    lock.release()
+    assert not is_free(dsn, name)
+    connection.commit()
+    assert not lock.held
+    assert is_free(dsn, name)
+
+
+# -- pools ------------------------------------------------------------------------------------
+
+
+def test_a_pool_lends_each_lock_a_connection_and_takes_it_back_at_release(dsn: str) -> None:
+    with ConnectionPool(dsn, min_size=1, max_size=2, open=True) as pool:
+        first, second = unique_name("pool-a"), unique_name("pool-b")
+        with advisory_lock(pool, first), advisory_lock(pool, second):
+            assert pool.get_stats()["pool_available"] == 0
+            assert sorted(current_advisory_locks(pool)) == sorted([first, second])
+        assert current_advisory_locks(pool) == []
+        # Both came back idle and as the pool made them (not autocommit).
+        with pool.connection() as connection:
+            assert connection.autocommit is False
+            assert connection.pgconn.transaction_status == TransactionStatus.IDLE
+        assert is_free(dsn, first)
+        assert is_free(dsn, second)
+
+
+def test_a_lock_set_on_a_pool_uses_one_connection(dsn: str, pg_admin: Admin) -> None:
+    names = [unique_name("set-a"), unique_name("set-b"), unique_name("set-c")]
+    with ConnectionPool(dsn, min_size=1, max_size=3, open=True) as pool:
+        with advisory_lock_set(pool, names, timeout=1):
+            pids = {pid for name in names for pid in holder_pids(pg_admin, name)}
+            assert len(pids) == 1
+        assert all(is_free(dsn, name) for name in names)
+        assert pool.get_stats()["pool_available"] >= 1
+
+
+def test_a_lock_on_a_pool_connection_stays_with_that_connection(dsn: str) -> None:
+    name = unique_name("pool-connection")
+    with ConnectionPool(dsn, min_size=1, max_size=2, open=True) as pool:
+        with pool.connection() as connection, advisory_lock(connection, name, timeout=1):
+            assert current_advisory_locks(connection) == [name]
+            assert not is_free(dsn, name)
+        assert is_free(dsn, name)
+
+
+# -- prepared statements -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocommit", [True, False])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"timeout": None},
+        {"timeout": 0},
+        {"timeout": 1.5},
+        {"shared": True, "timeout": 1.5},
+        {"transaction": True},
+        {"transaction": True, "timeout": 1.5},
+        {"transaction": True, "timeout": 0},
+    ],
+)
+def test_every_mode_works_with_prepare_threshold_zero(
+    dsn: str, autocommit: bool, options: dict[str, Any]
+) -> None:
+    # Everything is prepared then, except what must not be (scripts).
+    name = unique_name("prepared")
+    with psycopg.connect(dsn, autocommit=autocommit, prepare_threshold=0) as connection:
+        for _ in range(3):
+            if options.get("transaction") and autocommit:
+                with connection.transaction(), advisory_lock(connection, name, **options):
+                    assert not is_free(dsn, name)
+            else:
+                with advisory_lock(connection, name, **options):
+                    assert not is_free(dsn, name)
+                connection.commit()
+            assert is_free(dsn, name)
+
+
+# -- lost connections --------------------------------------------------------------------------
+
+
+def terminate(admin: Admin, pid: int) -> None:
+    admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    wait_for(lambda: not backend_alive(admin, pid), "the backend is gone")
+
+
+def test_a_terminated_backend_makes_release_and_ensure_held_report_lock_lost(
+    target: RawTarget, pg_admin: Admin
+) -> None:
+    name = unique_name("raw-terminated")
+    bind = target.bind()
+    for check in ("release", "ensure_held"):
+        lock = advisory_lock(bind, name, timeout=1)
+        assert lock.acquire()
+        terminate(pg_admin, holder_pids(pg_admin, name)[0])
+        with pytest.raises(LockLost):
+            lock.release() if check == "release" else lock.ensure_held()
+        assert not lock.held
+        if target.kind != "psycopg_pool":
+            bind = target.bind()
+    if target.pool is not None:
+        # The pool replaced the connection it lost and locks go on working.
+        with advisory_lock(target.pool, name, timeout=1) as lock:
+            assert lock.held
+
+
+def test_acquire_on_a_dead_connection_raises_a_typed_error(
+    connection_target: RawTarget, pg_admin: Admin
+) -> None:
+    connection = connection_target.connect()
+    with advisory_lock(connection, unique_name("raw-pid"), timeout=0):
+        pass  # connects the state and learns the pid
+    pid = (
+        connection.get_backend_pid()
+        if isinstance(connection, psycopg2.extensions.connection)
+        else connection.info.backend_pid
+    )
+    terminate(pg_admin, pid)
+    with pytest.raises(AdvisoryLockError, match=r"gone|closed") as raised:
+        advisory_lock(connection, unique_name("raw-dead"), timeout=1).acquire()
+    assert isinstance(raised.value.__cause__, (psycopg.Error, psycopg2.Error)) or (
+        "closed" in str(raised.value)
+    )
+
+
+def test_a_closed_connection_reports_its_locks_lost(connection_target: RawTarget) -> None:
+    connection = connection_target.connect()
+    lock = advisory_lock(connection, unique_name("raw-closed"), timeout=0)
+    assert lock.acquire()
+    connection.close()
+    assert not lock.held
+    with pytest.raises(LockLost):
+        lock.release()
+
+
+# -- poolers ------------------------------------------------------------------------------------
+
+
+def test_a_connection_declared_behind_a_transaction_pooler_refuses_session_locks(
+    dsn: str,
+) -> None:
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        declare_pooler(connection, "transaction")
+        with pytest.raises(UnsupportedFeature, match="transaction pooler"):
+            advisory_lock(connection, unique_name()).acquire()
+        with (
+            connection.transaction(),
+            advisory_lock(connection, unique_name(), transaction=True) as lock,
+        ):
+            assert lock.held
+
+
+def test_a_pool_declaration_covers_its_connections(dsn: str) -> None:
+    with ConnectionPool(dsn, min_size=1, max_size=1, open=True) as pool:
+        declare_pooler(pool, "transaction")
+        with pytest.raises(UnsupportedFeature, match="transaction pooler"):
+            advisory_lock(pool, unique_name()).acquire()
+        with pool.connection() as connection, pytest.raises(UnsupportedFeature):
+            advisory_lock(connection, unique_name()).acquire()
+
+
+def test_declaring_an_unknown_pooler_mode_is_a_value_error(dsn: str) -> None:
+    with psycopg.connect(dsn) as connection, pytest.raises(ValueError, match="pooler"):
+        declare_pooler(connection, "pgbouncer")

@@ -1,0 +1,581 @@
+"""Raw asyncio PostgreSQL drivers as binds: psycopg 3 AsyncConnection and
+AsyncConnectionPool, asyncpg Connection, pool connections and Pool.
+
+Native asyncio, no SQLAlchemy or greenlet in the path. pg_locks, read over a separate
+admin connection, is the witness of what the server holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import asyncpg
+import psycopg
+import pytest
+from psycopg.pq import TransactionStatus
+from psycopg.rows import TupleRow
+from psycopg_pool import AsyncConnectionPool
+from sqlalchemy.engine import URL
+
+from advisory_locks import (
+    AdvisoryLockError,
+    AsyncAdvisoryLock,
+    LockLost,
+    LockNotAcquired,
+    LockTimeout,
+    UnsupportedFeature,
+    advisory_lock,
+    advisory_lock_set,
+    current_advisory_locks,
+)
+from advisory_locks._bindings import _asyncpg_compat
+from tests.helpers import backend_alive, holder_pids, lock_rows, unique_name, waiter_pids
+from tests.test_raw_postgres import held, libpq_url
+
+pytestmark = pytest.mark.timeout(60)
+
+Admin = psycopg.Connection[TupleRow]
+
+ASYNC_KINDS = [
+    "psycopg_async",
+    "psycopg_async.autocommit",
+    "psycopg_async_pool",
+    "asyncpg",
+    "asyncpg.pool_connection",
+    "asyncpg_pool",
+]
+CONNECTION_KINDS = [kind for kind in ASYNC_KINDS if not kind.endswith("_pool")]
+POOL_KINDS = ["psycopg_async_pool", "asyncpg_pool"]
+
+
+class AsyncRawTarget:
+    """One kind of asyncio raw bind: makes connections (or the pool) and closes them."""
+
+    def __init__(self, kind: str, dsn: str) -> None:
+        self.kind = kind
+        self.dsn = dsn
+        self._closers: list[Callable[[], Awaitable[Any]]] = []
+        self._pool: Any = None
+
+    async def pool(self) -> Any:
+        if self._pool is None:
+            if self.kind.startswith("psycopg"):
+                self._pool = AsyncConnectionPool(self.dsn, min_size=1, max_size=3, open=False)
+                await self._pool.open()
+            else:
+                self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=3)
+            self._closers.append(self._pool.close)
+        return self._pool
+
+    async def connect(self, **options: Any) -> Any:
+        """A connection of this kind (from the pool for the pool kinds)."""
+        if self.kind.startswith("psycopg"):
+            if self.kind == "psycopg_async_pool":
+                pool = await self.pool()
+                connection = await pool.getconn()
+                self._closers.insert(0, lambda: pool.putconn(connection))
+                return connection
+            options.setdefault("autocommit", self.kind.endswith("autocommit"))
+            connection = await psycopg.AsyncConnection.connect(self.dsn, **options)
+            self._closers.append(connection.close)
+            return connection
+        if self.kind == "asyncpg":
+            connection = await asyncpg.connect(self.dsn)
+            self._closers.append(connection.close)
+            return connection
+        pool = await self.pool()
+        proxy = await pool.acquire()
+        self._closers.insert(0, lambda: pool.release(proxy))
+        return proxy
+
+    async def bind(self) -> Any:
+        return await self.pool() if self.kind.endswith("_pool") else await self.connect()
+
+    async def close(self) -> None:
+        for close in self._closers:
+            await close()
+
+
+@pytest.fixture
+def dsn(postgres_url: URL) -> str:
+    return libpq_url(postgres_url)
+
+
+@pytest.fixture(params=ASYNC_KINDS)
+async def target(request: pytest.FixtureRequest, dsn: str) -> AsyncIterator[AsyncRawTarget]:
+    target = AsyncRawTarget(request.param, dsn)
+    yield target
+    await target.close()
+
+
+@pytest.fixture(params=CONNECTION_KINDS)
+async def connection_target(
+    request: pytest.FixtureRequest, dsn: str
+) -> AsyncIterator[AsyncRawTarget]:
+    target = AsyncRawTarget(request.param, dsn)
+    yield target
+    await target.close()
+
+
+def is_free(dsn: str, name: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as other:
+        row = other.execute("SELECT pg_try_advisory_lock(%s)", [unique_key(name)]).fetchone()
+        assert row is not None
+        if row[0]:
+            other.execute("SELECT pg_advisory_unlock(%s)", [unique_key(name)])
+        return bool(row[0])
+
+
+def unique_key(name: str) -> int:
+    from advisory_locks import lock_key
+
+    key = lock_key(name)
+    assert isinstance(key, int)
+    return key
+
+
+def gone(admin: Admin, pid: int) -> bool:
+    return not backend_alive(admin, pid)
+
+
+async def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        await asyncio.sleep(0.01)
+
+
+MODES = [
+    pytest.param({"timeout": None}, id="wait"),
+    pytest.param({"timeout": 0}, id="try"),
+    pytest.param({"timeout": 2.5}, id="timeout"),
+    pytest.param({"shared": True}, id="shared"),
+    pytest.param({"shared": True, "timeout": 0}, id="shared-try"),
+    pytest.param({"shared": True, "timeout": 2.5}, id="shared-timeout"),
+]
+
+
+# -- every bind, every mode -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", MODES)
+async def test_a_session_lock_is_held_in_its_block_and_released_after(
+    target: AsyncRawTarget, pg_admin: Admin, options: dict[str, Any]
+) -> None:
+    name = unique_name("async-session")
+    bind = await target.bind()
+    lock = advisory_lock(bind, name, **options)
+    assert isinstance(lock, AsyncAdvisoryLock)
+    async with lock:
+        assert lock.held
+        rows = [row for row in lock_rows(pg_admin, name) if row.granted]
+        assert [row.mode for row in rows] == [
+            "ShareLock" if options.get("shared") else "ExclusiveLock"
+        ]
+        assert current_advisory_locks(bind) == [name]
+    assert not held(lock)
+    assert holder_pids(pg_admin, name) == []
+    assert current_advisory_locks(bind) == []
+
+
+@pytest.mark.parametrize("options", MODES)
+async def test_a_transaction_lock_lives_in_the_drivers_transaction(
+    connection_target: AsyncRawTarget, pg_admin: Admin, options: dict[str, Any]
+) -> None:
+    name = unique_name("async-xact")
+    connection = await connection_target.connect()
+    async with connection.transaction():
+        async with advisory_lock(connection, name, transaction=True, **options) as lock:
+            assert lock.held
+            assert len(holder_pids(pg_admin, name)) == 1
+        assert len(holder_pids(pg_admin, name)) == 1
+        assert current_advisory_locks(connection) == [name]
+    assert holder_pids(pg_admin, name) == []
+    assert current_advisory_locks(connection) == []
+    assert not lock.held
+
+
+@pytest.mark.parametrize("kind", ["asyncpg", "asyncpg.pool_connection", "psycopg_async.autocommit"])
+async def test_a_transaction_lock_outside_a_transaction_is_refused(
+    dsn: str, pg_admin: Admin, kind: str
+) -> None:
+    target = AsyncRawTarget(kind, dsn)
+    try:
+        connection = await target.connect()
+        name = unique_name("async-refused")
+        with pytest.raises(UnsupportedFeature, match="transaction"):
+            async with advisory_lock(connection, name, transaction=True):
+                pytest.fail("the block must not run")
+        assert holder_pids(pg_admin, name) == []
+    finally:
+        await target.close()
+
+
+@pytest.mark.parametrize("kind", POOL_KINDS)
+async def test_a_transaction_lock_on_a_pool_is_refused(dsn: str, kind: str) -> None:
+    target = AsyncRawTarget(kind, dsn)
+    try:
+        with pytest.raises(UnsupportedFeature, match="a pool has none"):
+            advisory_lock(await target.pool(), unique_name(), transaction=True)
+    finally:
+        await target.close()
+
+
+# -- how people write it today ----------------------------------------------------------------
+
+
+async def test_the_cron_job_pattern_runs_the_job_once(dsn: str) -> None:
+    ran: list[int] = []
+    pool = await asyncpg.create_pool(dsn, min_size=2, max_size=2)
+    name = unique_name("daily_report_job")
+    tried: list[int] = []
+    both_tried = asyncio.Event()
+
+    async def tried_once(worker: int) -> None:
+        # Neither leaves its block before both asked for the lock.
+        tried.append(worker)
+        if len(tried) == 2:
+            both_tried.set()
+        await both_tried.wait()
+
+    async def job(worker: int) -> None:
+        async with pool.acquire() as conn:
+            try:
+                async with advisory_lock(conn, name, timeout=0):
+                    await tried_once(worker)
+                    ran.append(worker)
+            except LockNotAcquired:
+                await tried_once(worker)
+
+    try:
+        await asyncio.wait_for(asyncio.gather(job(1), job(2)), 20)
+    finally:
+        await pool.close()
+    assert len(ran) == 1
+    assert is_free(dsn, name)
+
+
+async def test_the_payment_pattern_holds_the_lock_until_the_transaction_ends(
+    dsn: str, pg_admin: Admin
+) -> None:
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+    name = unique_name("payment-42")
+    try:
+        async with pool.acquire() as conn:
+            async with conn.transaction():
+                async with advisory_lock(conn, name, transaction=True):
+                    await conn.execute("SELECT 1")
+                assert not is_free(dsn, name)
+            assert is_free(dsn, name)
+            assert not conn.is_in_transaction()
+    finally:
+        await pool.close()
+    assert holder_pids(pg_admin, name) == []
+
+
+# -- exclusion, timeouts, waiting --------------------------------------------------------------
+
+
+async def test_a_held_lock_excludes_another_connection_and_a_waiter_wakes(
+    target: AsyncRawTarget, dsn: str
+) -> None:
+    name = unique_name("async-exclusion")
+    other = AsyncRawTarget(target.kind, dsn)
+    try:
+        holder = advisory_lock(await target.bind(), name)
+        assert await holder.acquire()
+        assert not is_free(dsn, name)
+        other_bind = await other.bind()
+        assert await advisory_lock(other_bind, name, timeout=0).acquire() is False
+        started = time.monotonic()
+        with pytest.raises(LockTimeout):
+            async with advisory_lock(other_bind, name, timeout=0.4):
+                pytest.fail("the block must not run")
+        assert 0.35 <= time.monotonic() - started < 5
+
+        granted = asyncio.Event()
+
+        async def wait() -> None:
+            async with advisory_lock(other_bind, name, timeout=None):
+                granted.set()
+
+        waiter = asyncio.create_task(wait())
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            await wait_until(lambda: bool(waiter_pids(admin, name)), "the waiter is queued")
+        assert not granted.is_set()
+        await holder.release()
+        await asyncio.wait_for(waiter, 10)
+        assert granted.is_set()
+    finally:
+        await other.close()
+    assert is_free(dsn, name)
+
+
+async def test_retaking_a_name_on_one_connection_is_counted(
+    connection_target: AsyncRawTarget, dsn: str
+) -> None:
+    name = unique_name("async-reentrant")
+    connection = await connection_target.connect()
+    async with advisory_lock(connection, name):
+        async with advisory_lock(connection, name, timeout=0) as inner:
+            assert inner.held
+        assert not is_free(dsn, name)
+    assert is_free(dsn, name)
+
+
+async def test_a_session_lock_on_an_idle_psycopg_connection_opens_no_transaction(
+    dsn: str,
+) -> None:
+    name = unique_name("async-idle")
+    async with await psycopg.AsyncConnection.connect(dsn) as connection:
+        lock = advisory_lock(connection, name, timeout=1)
+        assert await lock.acquire()
+        assert connection.info.transaction_status == TransactionStatus.IDLE
+        await lock.release()
+        assert connection.info.transaction_status == TransactionStatus.IDLE
+        assert connection.autocommit is False
+    assert is_free(dsn, name)
+
+
+async def test_a_transaction_lock_is_taken_again_in_the_next_transaction(
+    connection_target: AsyncRawTarget, dsn: str
+) -> None:
+    name = unique_name("async-next-transaction")
+    connection = await connection_target.connect()
+    for _ in range(2):
+        async with (
+            connection.transaction(),
+            advisory_lock(connection, name, transaction=True, timeout=0),
+        ):
+            assert not is_free(dsn, name)
+        async with connection.transaction():
+            await connection.execute("SELECT 1")
+            async with advisory_lock(connection, name, transaction=True, timeout=0):
+                assert not is_free(dsn, name)
+        assert is_free(dsn, name)
+
+
+async def test_a_lock_set_on_a_pool_uses_one_connection(dsn: str, pg_admin: Admin) -> None:
+    for kind in POOL_KINDS:
+        target = AsyncRawTarget(kind, dsn)
+        names = [unique_name("aset-a"), unique_name("aset-b")]
+        try:
+            async with advisory_lock_set(await target.pool(), names, timeout=1):
+                pids = {pid for name in names for pid in holder_pids(pg_admin, name)}
+                assert len(pids) == 1
+            assert all(is_free(dsn, name) for name in names)
+        finally:
+            await target.close()
+
+
+# -- asyncpg's pool resets a returned connection ----------------------------------------------
+
+
+async def test_a_lock_left_on_a_returned_asyncpg_connection_is_lost(
+    dsn: str, pg_admin: Admin
+) -> None:
+    name = unique_name("asyncpg-reset")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    try:
+        async with pool.acquire() as conn:
+            lock = advisory_lock(conn, name, timeout=0)
+            assert await lock.acquire()
+            assert lock.held
+        # The pool ran pg_advisory_unlock_all() as it took the connection back.
+        assert holder_pids(pg_admin, name) == []
+        assert not lock.held
+        with pytest.raises(LockLost):
+            await lock.ensure_held()
+        with pytest.raises(LockLost):
+            await lock.release()
+        # The same physical connection, handed out again, takes the name for real.
+        async with pool.acquire() as again:
+            assert current_advisory_locks(again) == []
+            async with advisory_lock(again, name, timeout=0):
+                assert not is_free(dsn, name)
+    finally:
+        await pool.close()
+
+
+async def test_a_lock_on_a_reused_asyncpg_connection_is_lost_for_its_first_holder(
+    dsn: str,
+) -> None:
+    name = unique_name("asyncpg-reused")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    try:
+        async with pool.acquire() as conn:
+            first = advisory_lock(conn, name, timeout=0)
+            assert await first.acquire()
+        async with pool.acquire() as again:
+            second = advisory_lock(again, name, timeout=0)
+            assert await second.acquire()  # not counted on the first holder's lost lock
+            assert not first.held
+            with pytest.raises(LockLost):
+                await first.release()
+            assert second.held
+            assert not is_free(dsn, name)
+            await second.release()
+        assert is_free(dsn, name)
+    finally:
+        await pool.close()
+
+
+def test_the_private_asyncpg_apis_the_binding_reads_exist() -> None:
+    assert _asyncpg_compat.missing_private_apis() == []
+    version = ".".join(asyncpg.__version__.split(".")[:2])
+    assert version in _asyncpg_compat.CHECKED_VERSIONS
+
+
+# -- cancellation ---------------------------------------------------------------------------------
+
+
+async def test_a_cancelled_wait_is_never_granted_later(
+    target: AsyncRawTarget, dsn: str, pg_admin: Admin
+) -> None:
+    name = unique_name("async-cancelled")
+    with psycopg.connect(dsn, autocommit=True) as holder:
+        holder.execute("SELECT pg_advisory_lock(%s)", [unique_key(name)])
+        bind = await target.bind()
+        lock = advisory_lock(bind, name, timeout=None)
+        waiting = asyncio.create_task(asyncio.wait_for(lock.acquire(), 1.0))
+        await wait_until(lambda: bool(waiter_pids(pg_admin, name)), "the wait is queued")
+        [waiter] = waiter_pids(pg_admin, name)
+        with pytest.raises(TimeoutError):
+            await waiting
+        assert not lock.held
+        # The server may still grant an abandoned wait; closing its connection is what
+        # makes sure nobody inherits the grant.
+        await wait_until(lambda: not backend_alive(pg_admin, waiter), "the waiter's backend ends")
+        holder.execute("SELECT pg_advisory_unlock(%s)", [unique_key(name)])
+    await asyncio.sleep(0.1)
+    assert holder_pids(pg_admin, name) == []
+    # The pool recovers (a fresh connection for the pool kinds, a new one otherwise).
+    fresh = bind if target.kind.endswith("_pool") else await target.connect()
+    async with advisory_lock(fresh, name, timeout=1):
+        assert not is_free(dsn, name)
+
+
+@pytest.mark.parametrize("kind", POOL_KINDS)
+async def test_a_cancelled_wait_puts_no_locked_connection_back_in_the_pool(
+    dsn: str, pg_admin: Admin, kind: str
+) -> None:
+    name = unique_name("async-cancelled-pool")
+    target = AsyncRawTarget(kind, dsn)
+    try:
+        pool = await target.pool()
+        with psycopg.connect(dsn, autocommit=True) as holder:
+            holder.execute("SELECT pg_advisory_lock(%s)", [unique_key(name)])
+            for _ in range(3):
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(advisory_lock(pool, name).acquire(), 0.2)
+            holder.execute("SELECT pg_advisory_unlock(%s)", [unique_key(name)])
+        await wait_until(lambda: not waiter_pids(pg_admin, name), "the waiters are gone")
+        assert holder_pids(pg_admin, name) == []
+        # Every connection the pool hands out now can take the name.
+        async with (
+            advisory_lock(pool, name, timeout=1),
+            advisory_lock(pool, unique_name(), timeout=1),
+        ):
+            assert len(holder_pids(pg_admin, name)) == 1
+    finally:
+        await target.close()
+
+
+# -- prepared statements, lost connections ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocommit", [True, False])
+async def test_every_mode_works_with_prepare_threshold_zero(dsn: str, autocommit: bool) -> None:
+    name = unique_name("async-prepared")
+    async with await psycopg.AsyncConnection.connect(
+        dsn, autocommit=autocommit, prepare_threshold=0
+    ) as connection:
+        for options in (
+            {"timeout": None},
+            {"timeout": 0},
+            {"timeout": 1.5},
+            {"shared": True, "timeout": 1.5},
+        ):
+            for _ in range(2):
+                async with advisory_lock(connection, name, **options):
+                    assert not is_free(dsn, name)
+        for options in ({"timeout": None}, {"timeout": 0}, {"timeout": 1.5}):
+            for _ in range(2):
+                async with (
+                    connection.transaction(),
+                    advisory_lock(connection, name, transaction=True, **options),
+                ):
+                    assert not is_free(dsn, name)
+    assert is_free(dsn, name)
+
+
+async def test_a_terminated_backend_makes_release_and_ensure_held_report_lock_lost(
+    target: AsyncRawTarget, pg_admin: Admin
+) -> None:
+    name = unique_name("async-terminated")
+    for check in ("release", "ensure_held"):
+        bind = await target.bind()
+        lock = advisory_lock(bind, name, timeout=1)
+        assert await lock.acquire()
+        pid = holder_pids(pg_admin, name)[0]
+        pg_admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+        await wait_until(partial(gone, pg_admin, pid), "the backend is gone")
+        with pytest.raises(LockLost):
+            await (lock.release() if check == "release" else lock.ensure_held())
+        assert not lock.held
+    if target.kind.endswith("_pool"):
+        async with advisory_lock(await target.bind(), name, timeout=1) as again:
+            assert again.held
+
+
+async def test_acquire_on_a_dead_connection_raises_a_typed_error(
+    connection_target: AsyncRawTarget, pg_admin: Admin
+) -> None:
+    connection = await connection_target.connect()
+    async with advisory_lock(connection, unique_name("async-pid"), timeout=0):
+        pid = holder_pids(pg_admin, current_advisory_locks(connection)[0])[0]
+    pg_admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    await wait_until(lambda: not backend_alive(pg_admin, pid), "the backend is gone")
+    with pytest.raises(AdvisoryLockError, match=r"gone|closed|released"):
+        await advisory_lock(connection, unique_name("async-dead"), timeout=1).acquire()
+
+
+# -- no ORM, no greenlet ---------------------------------------------------------------------
+
+
+def test_the_asyncio_binds_need_neither_sqlalchemy_nor_greenlet(dsn: str) -> None:
+    code = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        sys.modules["sqlalchemy"] = None  # importing either would fail
+        sys.modules["greenlet"] = None
+        import asyncpg, psycopg
+        from advisory_locks import advisory_lock
+
+        async def main():
+            pool = await asyncpg.create_pool({dsn!r}, min_size=1, max_size=1)
+            async with pool.acquire() as conn:
+                async with advisory_lock(conn, "no-orm-a", timeout=0) as lock:
+                    assert lock.held
+            await pool.close()
+            async with await psycopg.AsyncConnection.connect({dsn!r}) as conn:
+                async with advisory_lock(conn, "no-orm-b", timeout=1) as lock:
+                    assert lock.held
+            print("ok")
+
+        asyncio.run(main())
+        """
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "ok"
