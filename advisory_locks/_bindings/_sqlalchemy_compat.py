@@ -20,6 +20,7 @@ __all__ = [
     "adapter_begin_if_needed",
     "check_out_again",
     "connection_on",
+    "give_back_without_reset",
     "is_newest_checkout",
     "session_has_binds",
     "static_pool_checkout",
@@ -93,6 +94,17 @@ def is_newest_checkout(fairy: PoolProxiedConnection) -> bool:
     record = getattr(fairy, "_connection_record", None)
     reference = getattr(record, "fairy_ref", None)
     return reference is not None and reference() is fairy
+
+
+def give_back_without_reset(fairy: PoolProxiedConnection) -> None:
+    """Give back a checkout without the pool's reset (its rollback on return).
+
+    ``_ConnectionFairy._close_special(transaction_reset=True)`` is what
+    ``Connection.close()`` uses once it rolled back its own transaction. Only for a
+    connection that another user's transaction is open on: the rollback would be theirs.
+    Checked against SQLAlchemy 2.0.58 and 2.1.9.
+    """
+    fairy._close_special(transaction_reset=True)
 
 
 def connection_on(engine: Engine, fairy: PoolProxiedConnection) -> Connection:

@@ -48,6 +48,7 @@ from advisory_locks._bindings._sqlalchemy_compat import (
     adapter_begin_if_needed,
     check_out_again,
     connection_on,
+    give_back_without_reset,
     is_newest_checkout,
     session_has_binds,
     static_pool_checkout,
@@ -270,15 +271,22 @@ def _connect(engine: Engine, what: str) -> Connection:
         raise _no_connection(engine, what) from error
 
 
-def _give_back(fairy: PoolProxiedConnection) -> None:
+def _give_back(fairy: PoolProxiedConnection, *, shared: bool) -> None:
     """Give back a lock's checkout, never resetting a connection someone else now uses.
 
     A StaticPool checkout that a later one superseded is not the pool's to reset any
     more: SQLAlchemy drops such a proxy without touching the connection, and so do we.
+    A shared connection with a transaction open on it goes back without the pool's
+    rollback, which would end that transaction.
     """
-    if fairy.dbapi_connection is not None and not is_newest_checkout(fairy):
+    if fairy.dbapi_connection is None:
+        fairy.close()
+    elif not is_newest_checkout(fairy):
         return
-    fairy.close()
+    elif shared and _inside_transaction(fairy):
+        give_back_without_reset(fairy)
+    else:
+        fairy.close()
 
 
 def _lock_checkouts(info: dict[Any, Any]) -> weakref.WeakSet[Any]:
@@ -593,7 +601,7 @@ class PooledBorrow(_SettledAtOnce):
         self._out = False
         _engine_borrows(self.engine).discard(self)
         _lock_checkouts(self.fairy.info).discard(self)
-        _give_back(self.fairy)
+        _give_back(self.fairy, shared=self.shared)
 
     def done(self) -> None:
         self._users -= 1
@@ -718,7 +726,11 @@ class SessionPin:
         self.state = connection_state(self.fairy.info, backend)
         self._borrow: weakref.ref[PinnedBorrow] | None = None
         self._pinned = True
-        self.shared = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
+        # As for PooledBorrow: a connection handed out inside a transaction is someone
+        # else's too.
+        self.shared = isinstance(engine.pool, SINGLE_CONNECTION_POOLS) or (
+            joined is None and driver_in_transaction(self.fairy.driver_connection) is True
+        )
         session.info[PIN_INFO_KEY] = self
         if self.shared:
             _lock_checkouts(self.fairy.info).add(self)
@@ -801,10 +813,12 @@ class SessionPin:
         connection = self.connection
         if connection.closed:
             return
-        if connection.invalidated or is_newest_checkout(self.fairy):
+        if connection.invalidated or not self.shared or connection.in_transaction():
             connection.close()
-        # else: a StaticPool checkout superseded by a later one: dropped unreturned,
-        # as SQLAlchemy does, so that nothing resets the connection under its new user.
+        else:
+            # No transaction of the Session is open on it (else it would be kept), but
+            # its other users' may be: give the checkout back as _give_back does.
+            _give_back(self.fairy, shared=True)
 
 
 def _lock_objects_gone(pin: weakref.ref[SessionPin]) -> None:

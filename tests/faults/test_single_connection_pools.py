@@ -183,6 +183,30 @@ def test_session_bound_to_a_connection_in_a_transaction_leaves_it_in_place(
     assert not busy_elsewhere(rival, name)
 
 
+def test_pool_handing_out_a_connection_inside_a_transaction_keeps_that_transaction(
+    database: FaultDatabase, make_engine: Callable[..., Engine], rival: Engine, notes_table: str
+) -> None:
+    # Some test setups give a QueuePool a creator that returns one shared connection: the
+    # pool cannot know, but the driver says a transaction is open on what it handed out.
+    shared = make_engine(database.url, poolclass=NullPool).raw_connection()
+    engine = make_engine(database.url, creator=lambda: shared.dbapi_connection)
+    inject("pool handing out a connection inside a transaction")
+    name = unique_name()
+    try:
+        with engine.connect() as connection:
+            write(connection, notes_table, "before the locks")
+            with advisory_lock(engine, name):
+                assert busy_elsewhere(rival, name)
+            with Session(engine) as session, advisory_lock(session, name):
+                assert busy_elsewhere(rival, name)
+            assert read(connection, notes_table) == ["before the locks"]
+            connection.rollback()
+            assert read(connection, notes_table) == []
+        assert not busy_elsewhere(rival, name)
+    finally:
+        shared.close()
+
+
 def driver_mode(connection: Any) -> object:
     """What the application configured: SQLite's isolation_level, else autocommit."""
     if type(connection).__module__ in ("sqlite3", "_sqlite3"):
