@@ -297,3 +297,14 @@ def test_pool_too_small_for_the_lock_says_so(
             assert "pool_size + max_overflow" in message
             assert isinstance(raised.value, sqlalchemy_errors.TimeoutError)
     assert database.holder(name) is None
+
+
+def test_transaction_lock_that_cannot_get_the_sessions_connection_says_so(
+    make_engine: Callable[..., Engine], postgres_url: URL
+) -> None:
+    engine = make_engine(postgres_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    name = unique_name()
+    with engine.connect() as busy, Session(engine) as session:
+        busy.execute(text("SELECT 1"))
+        with pytest.raises(LockConnectionTimeout, match="pool_size \\+ max_overflow"):
+            advisory_lock(session, name, transaction=True).acquire()
