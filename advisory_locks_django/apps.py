@@ -1,10 +1,19 @@
-"""The Django app: registers system checks, signal receivers and the close hook."""
+"""The Django app: registers system checks, signal receivers and the close hook.
+
+Besides that, the app does one thing: on a project with a MySQL/MariaDB
+database, no mysqlclient and PyMySQL installed (the ``mysql`` extra), it registers
+PyMySQL as ``MySQLdb`` for Django's MySQL backend (``advisory_locks_django._mysql_driver``).
+That happens when Django creates the app config, not in ``ready()``: defining any model
+class loads the default database's backend (for its maximum name length), and model
+modules are imported after every app config is created but before any ``ready()``.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.apps import AppConfig
+from django.conf import settings
 from django.core import checks
 from django.core.signals import request_finished, request_started
 from django.db.backends.signals import connection_created
@@ -13,6 +22,12 @@ from django.db.backends.signals import connection_created
 class AdvisoryLocksConfig(AppConfig):
     name = "advisory_locks_django"
     verbose_name = "Advisory locks"
+
+    def __init__(self, app_name: str, app_module: Any) -> None:
+        super().__init__(app_name, app_module)
+        from advisory_locks_django._mysql_driver import install_pymysql_if_needed
+
+        install_pymysql_if_needed(settings.DATABASES)
 
     def ready(self) -> None:
         """Register the checks, the signal receivers, and the one private-API hook.
@@ -24,10 +39,17 @@ class AdvisoryLocksConfig(AppConfig):
         """
         from advisory_locks_django._binding import connection_closing
         from advisory_locks_django._compat import install_close_hook
-        from advisory_locks_django.checks import check_databases, check_settings
+        from advisory_locks_django.checks import (
+            check_databases,
+            check_mysql_driver,
+            check_settings,
+            check_sqlite_files,
+        )
 
         checks.register(check_settings)
         checks.register(check_databases)
+        checks.register(check_mysql_driver)
+        checks.register(check_sqlite_files)
         install_close_hook(connection_closing)
         connection_created.connect(_connection_created, dispatch_uid="advisory_locks_django")
         request_started.connect(_request_started, dispatch_uid="advisory_locks_django")

@@ -82,11 +82,41 @@ def advisory_lock(
     key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> DjangoAdvisoryLock:
-    """A named lock held by the database ``using``; see docs/django.md.
+    """A named lock held by the database ``using``: a context manager and a decorator.
 
-    ``timeout`` and ``transaction`` default to ``ADVISORY_LOCKS['TIMEOUT']`` and
-    ``['TRANSACTION']``; ``key_scheme`` and ``key_prefix`` to ``['KEY_SCHEME']`` and
-    ``['KEY_PREFIX']``.
+    ``with advisory_lock(name): ...`` takes the lock on the thread's connection to
+    ``using`` and gives it back at the end of the block, also when the block raises.
+    Decorating a function takes the lock around each call. ``acquire()`` / ``release()``
+    is the explicit form.
+
+    :param name: a non-empty ``str`` (hashed to a key), an ``int`` (a signed 64-bit key)
+        or an ``(int, int)`` pair (PostgreSQL's two-key form). When decorating, a ``str``
+        may use ``{argument}`` fields filled from each call's arguments
+        (``"sync-{account_id}"``), or ``name`` may be a callable that takes the call's
+        arguments and returns the name.
+    :param using: the database alias whose connection holds the lock.
+    :param timeout: ``None`` waits until granted, ``0`` never waits, ``t > 0`` lets the
+        server wait at most ``t`` seconds. Default: ``ADVISORY_LOCKS["TIMEOUT"]`` (None).
+    :param shared: take a shared (reader) lock; PostgreSQL and SQLite only.
+    :param transaction: tie the lock to ``atomic()``: one is opened when none is open,
+        and the lock is released when the outermost transaction ends (PostgreSQL only;
+        elsewhere ``UnsupportedFeature``). Default: ``ADVISORY_LOCKS["TRANSACTION"]``
+        (False: a session lock, released at the end of the block).
+    :param skip_if_locked: as a decorator, return ``None`` without calling the function
+        when the lock is busy, instead of raising ``LockNotAcquired``.
+    :param key_scheme: how a ``str`` name becomes a key: ``"sha256"``, ``"pglock"``,
+        ``"rails"``, ``"hashtext"``, or a function ``name -> int | (int, int)``. Default:
+        ``ADVISORY_LOCKS["KEY_SCHEME"]``, else ``"sha256"``.
+    :param key_prefix: a namespace for ``str`` names. Default:
+        ``ADVISORY_LOCKS["KEY_PREFIX"]``, else none.
+    :returns: a [DjangoAdvisoryLock][advisory_locks_django.DjangoAdvisoryLock].
+    :raises TypeError: for a name, alias or flag of the wrong type, before any SQL.
+    :raises ValueError: for an empty name, an out-of-range key or a negative timeout.
+    :raises UnsupportedFeature: when the database cannot honour the options (at
+        ``acquire()``: ``transaction=True`` on MySQL/MariaDB or SQLite, ``shared=True``
+        on MySQL/MariaDB).
+    :raises LockNotAcquired: from ``with`` (and a decorated call), when the lock stayed
+        busy for the whole timeout; ``LockTimeout`` when a timeout > 0 ran out.
     """
     return DjangoAdvisoryLock(
         name,
@@ -101,12 +131,23 @@ def advisory_lock(
 
 
 def current_advisory_locks(using: str = DEFAULT_DB_ALIAS) -> list[LockName]:
-    """Names this thread's connection to ``using`` holds through this library."""
+    """Names this thread's connection to ``using`` holds through this library.
+
+    :param using: the database alias.
+    :returns: one name per lock held (a re-entered lock is counted, not listed again),
+        session and transaction locks alike.
+    """
     return DjangoSite(using).held_names()
 
 
 class DjangoAdvisoryLock:
-    """What [advisory_lock][advisory_locks_django.advisory_lock] returns; see there."""
+    """What [advisory_lock][advisory_locks_django.advisory_lock] returns.
+
+    Takes the same parameters as ``advisory_lock()``. Usable as ``with`` / ``async with``,
+    as a decorator, or through ``acquire()`` / ``release()`` (``aacquire()`` /
+    ``arelease()`` from async code). Re-entry on one connection is counted: the lock is
+    released when the outermost holder releases it.
+    """
 
     __slots__ = (
         "_atomics",
@@ -163,6 +204,7 @@ class DjangoAdvisoryLock:
 
     @property
     def name(self) -> LockName:
+        """The lock's name, as given."""
         return self._core().name
 
     @property
@@ -172,10 +214,16 @@ class DjangoAdvisoryLock:
 
     @property
     def held(self) -> bool:
+        """Whether this object holds the lock (as far as the library knows; see
+        ``ensure_held()`` to ask the server)."""
         return self._lock is not None and self._lock.held
 
     def acquire(self) -> bool:
-        """Take the lock; False when it stayed busy for the whole timeout."""
+        """Take the lock; False when it stayed busy for the whole timeout.
+
+        :raises LockDeadlock: when the server detected a deadlock.
+        :raises UnsupportedFeature: when the database cannot honour the options.
+        """
         lock = self._core()
         atomic = None
         wrapper = connections[self.using]

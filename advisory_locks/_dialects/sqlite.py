@@ -207,7 +207,9 @@ def _main_database_file() -> StatementSteps[str]:
                 raise UnsupportedFeature(
                     "advisory locks on SQLite are file locks next to the database file, and "
                     "an in-memory or temporary database has none: use a database file, or "
-                    "a threading.Lock if one process is all that needs excluding"
+                    "a threading.Lock if one process is all that needs excluding (Django's "
+                    "test runner makes SQLite test databases in memory unless "
+                    'DATABASES[alias]["TEST"]["NAME"] names a file)'
                 )
             return str(file)
     raise UnsupportedDatabase("SQLite reported no main database for this connection")
