@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -86,12 +85,10 @@ def test_threads_with_sessions_queue_for_a_small_pool_without_timing_out(
                 done.append(index)
 
     inject(f"{THREADS} threads with Sessions on a pool of {POOL_SIZE}+{MAX_OVERFLOW}")
-    started = time.monotonic()
+    # A thread that waited out pool_timeout would have raised LockConnectionTimeout.
     errors = run_threads(THREADS, work)
     assert errors == []
     assert len(done) == THREADS * OPERATIONS_PER_THREAD
-    # Each operation holds one connection for a moment: nobody waited out pool_timeout.
-    assert time.monotonic() - started < POOL_TIMEOUT
     assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     assert database.leaked(names) == []
 
@@ -123,11 +120,9 @@ async def test_tasks_with_async_sessions_queue_for_a_small_pool_without_timing_o
     inject(f"{THREADS} tasks with AsyncSessions on a pool of {POOL_SIZE}+{MAX_OVERFLOW}")
     try:
         tasks = [asyncio.create_task(work(index)) for index in range(THREADS)]
-        started = time.monotonic()
         start.set()
         done = await asyncio.wait_for(asyncio.gather(*tasks), JOIN_SECONDS)
         assert sum(done) == THREADS * OPERATIONS_PER_THREAD
-        assert time.monotonic() - started < POOL_TIMEOUT
         assert engine.sync_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     finally:
         await engine.dispose()
@@ -227,19 +222,20 @@ def test_session_lock_and_transaction_lock_on_one_name_do_not_wait_for_each_othe
     # Transaction locks are PostgreSQL's; MariaDB and SQLite refuse them.
     engine = make_engine(postgres_url, pool_size=1, max_overflow=0, pool_timeout=1)
     name = unique_name()
+    # Waiting for itself, either lock would raise LockTimeout after 5 s.
     with Session(engine) as session:
-        with advisory_lock(session, name):
-            started = time.monotonic()
-            with advisory_lock(session, name, transaction=True, timeout=5):
-                assert sorted(current_advisory_locks(session)) == [name, name]
-            assert time.monotonic() - started < 1
+        with (
+            advisory_lock(session, name),
+            advisory_lock(session, name, transaction=True, timeout=5),
+        ):
+            assert sorted(current_advisory_locks(session)) == [name, name]
         session.commit()
         # And the other way round: the transaction lock first.
         with (
             advisory_lock(session, name, transaction=True),
             advisory_lock(session, name, timeout=5),
         ):
-            assert time.monotonic() - started < 2
+            assert sorted(current_advisory_locks(session)) == [name, name]
         session.commit()
 
 
