@@ -48,8 +48,12 @@ from advisory_locks._bindings._sqlalchemy_compat import (
     adapter_begin_if_needed,
     check_out_again,
     connection_on,
+    cut_from_pool,
     give_back_without_reset,
     is_newest_checkout,
+    pool_entry,
+    report_disconnect,
+    report_pooled_disconnect,
     session_has_binds,
     static_pool_checkout,
     transaction_connections,
@@ -64,6 +68,7 @@ from advisory_locks._core.connection import (
     POOLER_MODES,
     ConnectionState,
     check_server,
+    current_process_id,
     finish_pending_releases,
     release_session_locks,
 )
@@ -78,13 +83,18 @@ from advisory_locks._core.executors import (
 )
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, Steps, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
-from advisory_locks.errors import AdvisoryLockError, LockUsageError, UnsupportedFeature
+from advisory_locks.errors import (
+    AdvisoryLockError,
+    LockConnectionLost,
+    LockUsageError,
+    UnsupportedFeature,
+)
 from advisory_locks.keys import LockKey, LockName
 
 logger = logging.getLogger("advisory_locks")
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine.interfaces import DBAPIConnection
+    from sqlalchemy.engine.interfaces import DBAPIConnection, Dialect
     from sqlalchemy.pool import ConnectionPoolEntry
 
 __all__ = [
@@ -111,6 +121,8 @@ LOCK_CHECKOUTS_INFO_KEY: Final = "advisory_locks.lock_checkouts"
 # Pools that hand the same DB-API connection to more than one checkout: everything a lock
 # does on it, the application's other users of the pool see.
 SINGLE_CONNECTION_POOLS: Final = (StaticPool, SingletonThreadPool, AssertionPool)
+# (process id, weak reference to the pool entry), recorded when the DB-API connection opens.
+CONNECTED_INFO_KEY: Final = "advisory_locks.connected"
 # Execution option declaring what sits between the engine and the server:
 # "transaction" (session locks refused), "session" (a pooler that pins each client to
 # one server connection), or "none".
@@ -249,26 +261,26 @@ def _no_connection(engine: Engine, what: str) -> LockConnectionTimeout:
 
 
 def _check_out(engine: Engine, what: str) -> PoolProxiedConnection:
-    """A pooled connection for locks; on a StaticPool in use, that use's own connection,
-    counted once more, so that giving it back resets nothing under its user."""
+    """A pooled connection for locks, opened by this process; on a StaticPool in use,
+    that use's own connection, counted once more, so that giving it back resets nothing
+    under its user."""
     in_use = static_pool_checkout(engine.pool)
-    if in_use is not None:
+    if in_use is not None and _opened_here(in_use):
         return check_out_again(in_use)
     try:
-        return engine.raw_connection()
+        return _own_connection(engine)
     except sqlalchemy_errors.TimeoutError as error:
         raise _no_connection(engine, what) from error
+
+
+def _opened_here(fairy: PoolProxiedConnection) -> bool:
+    connected = fairy.info.get(CONNECTED_INFO_KEY)
+    return connected is None or connected[0] == current_process_id()
 
 
 def _connect(engine: Engine, what: str) -> Connection:
-    """A Connection for locks, checked out like ``_check_out``."""
-    in_use = static_pool_checkout(engine.pool)
-    if in_use is not None:
-        return connection_on(engine, check_out_again(in_use))
-    try:
-        return engine.connect()
-    except sqlalchemy_errors.TimeoutError as error:
-        raise _no_connection(engine, what) from error
+    """A Connection for locks, on a connection checked out like ``_check_out``."""
+    return connection_on(engine, _check_out(engine, what))
 
 
 def _give_back(fairy: PoolProxiedConnection, *, shared: bool) -> None:
@@ -308,11 +320,30 @@ def _inside_transaction(fairy: PoolProxiedConnection, *connections: Connection |
     return driver_in_transaction(fairy.driver_connection) is True
 
 
-def connection_state(info: dict[Any, Any], backend: Backend | None = None) -> ConnectionState:
-    """The state stored with a pooled DB-API connection (dropped if it is replaced)."""
+def connection_state(
+    info: dict[Any, Any],
+    backend: Backend | None = None,
+    fairy: PoolProxiedConnection | None = None,
+) -> ConnectionState:
+    """The state stored with a pooled DB-API connection (dropped if it is replaced).
+
+    A lock passes the checked-out ``fairy`` it runs on, so that a forked child can cut
+    that connection from its pool even when it was opened before this module was
+    imported (and so without the process id and pool entry ``_connected`` records).
+    """
     state = info.get(STATE_INFO_KEY)
     if not isinstance(state, ConnectionState):
-        state = info[STATE_INFO_KEY] = ConnectionState()
+        connected = info.get(CONNECTED_INFO_KEY)
+        state = ConnectionState() if connected is None else ConnectionState(pid=connected[0])
+        info[STATE_INFO_KEY] = state
+    if state.fork_hook is None:
+        connected = info.get(CONNECTED_INFO_KEY)
+        record = connected[1]() if connected is not None else None
+        if record is None and fairy is not None:
+            record = pool_entry(fairy)
+        if record is not None:
+            entry = weakref.ref(record)
+            state.fork_hook = lambda: _cut_entry(entry)
     if backend is not None:
         state.backend = backend
     return state
@@ -411,7 +442,7 @@ class ConnectionSite:
         self.backend = _backend_for(connection.engine)
 
     def borrow(self, *, transaction: bool) -> ConnectionBorrow:
-        return ConnectionBorrow(self.connection, self.backend, transaction=transaction)
+        return _connection_borrow(self.connection, self.backend, transaction=transaction)
 
     def held_names(self) -> list[LockName]:
         if self.connection.closed or self.connection.invalidated:
@@ -434,12 +465,19 @@ class _SettledAtOnce:
 class ConnectionBorrow(_SettledAtOnce):
     """A caller's Connection: never closed or returned by the lock."""
 
-    __slots__ = ("connection", "executor", "in_transaction", "state")
+    __slots__ = ("connection", "executor", "fairy", "in_transaction", "state")
 
     def __init__(self, connection: Connection, backend: Backend, *, transaction: bool) -> None:
         fairy = connection.connection
         dbapi = fairy.dbapi_connection
         info = fairy.info
+        self.fairy = fairy
+        if connection_state(info, backend, fairy).inherited:
+            # A forked child's copy of its parent's connection: nothing may be sent on
+            # it (the lock refuses it, naming itself).
+            self.connection, self.in_transaction = connection, False
+            self.state = connection_state(info)
+            return
         if driver_autocommit(dbapi):
             if transaction:
                 raise UnsupportedFeature(
@@ -485,8 +523,32 @@ class ConnectionBorrow(_SettledAtOnce):
         pass
 
     def broken(self, error: BaseException) -> None:
-        if not self.connection.invalidated and not self.connection.closed:
-            self.connection.invalidate(error if isinstance(error, Exception) else None)
+        if isinstance(error, Exception):
+            # Gone: SQLAlchemy's own disconnect handling, pool and all.
+            report_disconnect(self.connection, error)
+        elif not (self.connection.invalidated or self.connection.closed):
+            # Interrupted mid-statement: this connection's state is unknown.
+            self.connection.invalidate()
+
+    def is_disconnect(self, error: Exception) -> bool:
+        return _dialect_disconnect(self.connection.dialect, error, self.fairy)
+
+
+def _connection_borrow(
+    connection: Connection, backend: Backend, *, transaction: bool
+) -> ConnectionBorrow:
+    """A ``ConnectionBorrow``; a connection that died under the statements it runs to get
+    ready is handed to SQLAlchemy's disconnect handling and reported as such."""
+    try:
+        return ConnectionBorrow(connection, backend, transaction=transaction)
+    except Exception as error:
+        if (connection.invalidated or connection.closed) or not (
+            backend.is_connection_failure(error)
+            or _dialect_disconnect(connection.dialect, error, connection.connection)
+        ):
+            raise
+        report_disconnect(connection, error)
+        raise LockConnectionLost(str(error)) from error
 
 
 class _AutocommitExecutor:
@@ -550,23 +612,27 @@ class PooledBorrow(_SettledAtOnce):
         self.fairy = fairy = _check_out(engine, what)
         self._out = True
         self._users = 0
-        dbapi = fairy.dbapi_connection
+        self.state = connection_state(fairy.info, backend, fairy)
         self.shared = (
             isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
             or driver_in_transaction(fairy.driver_connection) is True
         )
         if self.shared:
             _lock_checkouts(fairy.info).add(self)
-            if backend.locks_on_server:
-                self.executor: Any = _AutocommitExecutor(fairy, lambda: _inside_transaction(fairy))
-            else:
-                self.executor = executor_for(fairy, fairy.info)
-        else:
-            if backend.locks_on_server and not driver_autocommit(dbapi):
-                fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
-            self.executor = executor_for(fairy, fairy.info)
-        self.state = connection_state(fairy.info, backend)
         try:
+            dbapi = fairy.dbapi_connection
+            if self.shared:
+                # The application's connection too: its mode stays as the application set
+                # it, and a transaction open on it is joined (see _AutocommitExecutor).
+                self.executor: Any = (
+                    _AutocommitExecutor(fairy, lambda: _inside_transaction(fairy))
+                    if backend.locks_on_server
+                    else executor_for(fairy, fairy.info)
+                )
+            else:
+                if backend.locks_on_server and not driver_autocommit(dbapi):
+                    fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
+                self.executor = executor_for(fairy, fairy.info)
             run_steps(
                 check_server(
                     self.state,
@@ -578,7 +644,15 @@ class PooledBorrow(_SettledAtOnce):
                     transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
                 )
             )
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, Exception) and (
+                backend.is_connection_failure(error) or self.is_disconnect(error)
+            ):
+                self._out = False
+                _lock_checkouts(fairy.info).discard(self)
+                report_pooled_disconnect(engine, fairy, error)
+                fairy.close()
+                raise LockConnectionLost(str(error)) from error
             self._give_back()
             raise
         _engine_borrows(engine).add(self)
@@ -619,9 +693,45 @@ class PooledBorrow(_SettledAtOnce):
             return
         _lock_checkouts(fairy.info).discard(self)
         try:
-            fairy.invalidate(error if isinstance(error, Exception) else None)
+            if isinstance(error, Exception):
+                # Gone: SQLAlchemy's own disconnect handling, pool and all.
+                report_pooled_disconnect(self.engine, fairy, error)
+            else:
+                # Interrupted mid-statement: this connection's state is unknown.
+                fairy.invalidate()
         finally:
             fairy.close()
+
+    def is_disconnect(self, error: Exception) -> bool:
+        return _dialect_disconnect(self.engine.dialect, error, self.fairy)
+
+
+def _dialect_disconnect(dialect: Dialect, error: Exception, fairy: Any) -> bool:
+    """SQLAlchemy's verdict: whether the dialect reads ``error`` as a lost connection."""
+    try:
+        return isinstance(error, dialect.loaded_dbapi.Error) and bool(
+            dialect.is_disconnect(error, fairy, None)
+        )
+    except Exception:  # a dialect that cannot tell says nothing
+        return False
+
+
+def _own_connection(engine: Engine) -> PoolProxiedConnection:
+    """A pooled connection this process opened.
+
+    In a forked child the pool may hand out a connection the parent opened, whose server
+    session the parent goes on using: a lock taken there would be the parent's too (the
+    server counts the second holder as a re-entry). Each such connection is cut from the
+    child's pool without being touched (SQLAlchemy's fork recipe), and the pool opens a
+    fresh one in its place. Every round cuts one inherited connection, so this ends.
+    """
+    while True:
+        fairy = engine.raw_connection()
+        connected = fairy.info.get(CONNECTED_INFO_KEY)
+        if connected is None or connected[0] == current_process_id():
+            return fairy
+        cut_from_pool(fairy)
+        fairy.close()
 
 
 _borrows_by_engine: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[PooledBorrow]] = (
@@ -723,7 +833,7 @@ class SessionPin:
         self.backend = backend
         self.joined = joined
         self.fairy = self.connection.connection
-        self.state = connection_state(self.fairy.info, backend)
+        self.state = connection_state(self.fairy.info, backend, self.fairy)
         self._borrow: weakref.ref[PinnedBorrow] | None = None
         self._pinned = True
         # As for PooledBorrow: a connection handed out inside a transaction is someone
@@ -789,9 +899,14 @@ class SessionPin:
             self.unpin()
 
     def broken(self, error: BaseException) -> None:
+        connection = self.connection
         try:
-            if not self.connection.closed and not self.connection.invalidated:
-                self.connection.invalidate(error if isinstance(error, Exception) else None)
+            if isinstance(error, Exception):
+                # Gone: SQLAlchemy's own disconnect handling, pool and all.
+                report_disconnect(connection, error)
+            elif not (connection.closed or connection.invalidated):
+                # Interrupted mid-statement: this connection's state is unknown.
+                connection.invalidate()
         finally:
             self.unpin()
 
@@ -833,8 +948,10 @@ def _transaction_connection_to(session: Session, engine: Engine) -> Connection |
     if transaction is None:
         return None
     for connection in transaction_connections(transaction):
-        if connection.engine.pool is engine.pool and not (
-            connection.closed or connection.invalidated
+        if (
+            connection.engine.pool is engine.pool
+            and not (connection.closed or connection.invalidated)
+            and not connection_state(connection.info).inherited
         ):
             return connection  # type: ignore[no-any-return]
     return None
@@ -857,17 +974,25 @@ class PinnedBorrow(_SettledAtOnce):
             )
         else:
             self.executor = executor_for(fairy, fairy.info)
-        run_steps(
-            check_server(
-                self.state,
-                self.executor,
-                fairy.driver_connection,
-                pooler=_declared_pooler(pin.connection.get_execution_options()),
-                session_lock=True,
-                declare_pooler=DECLARE_POOLER,
-                transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
+        if self.state.inherited:
+            return  # a forked child's copy: nothing may be sent (the lock refuses it)
+        try:
+            run_steps(
+                check_server(
+                    self.state,
+                    self.executor,
+                    fairy.driver_connection,
+                    pooler=_declared_pooler(pin.connection.get_execution_options()),
+                    session_lock=True,
+                    declare_pooler=DECLARE_POOLER,
+                    transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
+                )
             )
-        )
+        except Exception as error:
+            if not (pin.backend.is_connection_failure(error) or self.is_disconnect(error)):
+                raise
+            pin.broken(error)
+            raise LockConnectionLost(str(error)) from error
 
     @property
     def in_transaction(self) -> bool:
@@ -878,6 +1003,9 @@ class PinnedBorrow(_SettledAtOnce):
 
     def broken(self, error: BaseException) -> None:
         self.pin.broken(error)
+
+    def is_disconnect(self, error: Exception) -> bool:
+        return _dialect_disconnect(self.pin.engine.dialect, error, self.pin.fairy)
 
 
 class SessionSite:
@@ -901,12 +1029,12 @@ class SessionSite:
         if transaction:
             if pin is None:
                 self._refuse_waiting_for_itself(transaction=True)
-            return ConnectionBorrow(self._session_connection(), self.backend, transaction=True)
+            return _connection_borrow(self._session_connection(), self.backend, transaction=True)
         if pin is not None:
             return pin.borrow()
         bind = session.get_bind()
         if isinstance(bind, Connection):
-            return ConnectionBorrow(bind, self.backend, transaction=False)
+            return _connection_borrow(bind, self.backend, transaction=False)
         if _routable(session, bind):
             pin = SessionPin(session, bind, self.backend, _what(self.keys))
             try:
@@ -982,7 +1110,15 @@ class SessionSite:
 
 def _session_pin(session: Session) -> SessionPin | None:
     pin = session.info.get(PIN_INFO_KEY)
-    return pin if isinstance(pin, SessionPin) and pin.usable else None
+    if not isinstance(pin, SessionPin):
+        return None
+    if pin.state.inherited:
+        # A forked child's copy of its parent's Session: the lock connection and its
+        # locks are the parent's. The child's Session goes back to its engine (for a
+        # connection of the child's own), touching nothing of the parent's.
+        pin._unbind()
+        return None
+    return pin if pin.usable else None
 
 
 def _routable(session: Session, bind: Engine) -> bool:
@@ -1122,6 +1258,20 @@ def _session_transaction_ended(session: Session, transaction: Any) -> None:
         pin.transaction_ended()
 
 
+@event.listens_for(Pool, "connect")
+def _connected(dbapi_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
+    # Which process opened the connection: a forked child must never take a lock on, nor
+    # unlock through, a connection of its parent's.
+    record.info[CONNECTED_INFO_KEY] = (current_process_id(), weakref.ref(record))
+
+
+def _cut_entry(entry: weakref.ref[ConnectionPoolEntry]) -> None:
+    # In a forked child, for a connection that carries the parent's locks.
+    record = entry()
+    if record is not None:
+        cut_from_pool(record)
+
+
 @event.listens_for(Pool, "checkin")
 def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionPoolEntry) -> None:
     # The pool has rolled the connection back, which ends every transaction lock but no
@@ -1132,6 +1282,10 @@ def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionP
         return
     info = record.info
     state = info.get(STATE_INFO_KEY)
+    if isinstance(state, ConnectionState) and state.inherited:
+        # A forked child checking in its copy of a parent's connection: the locks and
+        # the session settings are the parent's; send nothing.
+        return
     try:
         if isinstance(state, ConnectionState):
             state.transaction_ended()

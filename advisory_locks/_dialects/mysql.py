@@ -54,8 +54,17 @@ MAX_TIMEOUT_SECONDS: Final = 2**31 - 1
 ER_LOCK_DEADLOCK: Final = 1213  # MariaDB's answer to a user-lock deadlock
 ER_USER_LOCK_DEADLOCK: Final = 3058  # MySQL's
 ER_USER_LOCK_WRONG_NAME: Final = 3057
-# Connection gone: server gone away, lost during query, killed, shutdown, not connected.
-CONNECTION_GONE: Final = frozenset({1053, 1927, 2006, 2013, 2055, 4031})
+# The session is gone (or the protocol is past saving): ER_SERVER_SHUTDOWN 1053,
+# ER_ABORTING_CONNECTION 1152, ER_NET_READ_ERROR .. ER_NET_WRITE_INTERRUPTED 1158-1161,
+# ER_NEW_ABORTING_CONNECTION 1184, ER_CONNECTION_KILLED 1927 (MariaDB), ER_SESSION_WAS_KILLED
+# 3169 (MySQL), ER_CLIENT_INTERACTION_TIMEOUT 4031 (MySQL 8.0.24+ wait_timeout); client side
+# CR_SERVER_GONE_ERROR 2006, CR_SERVER_LOST 2013, CR_COMMANDS_OUT_OF_SYNC 2014,
+# CR_NAMEDPIPEOPEN_ERROR 2045 (SQLAlchemy counts these two as disconnects too),
+# CR_SERVER_LOST_EXTENDED 2055. Errors of opening a connection (2002, 2003) are not here:
+# no session existed, and the caller's own connect reports them.
+CONNECTION_GONE: Final = frozenset(
+    {1053, 1152, 1158, 1159, 1160, 1161, 1184, 1927, 3169, 4031, 2006, 2013, 2014, 2045, 2055}
+)
 
 SHARED_REFUSED: Final = (
     "MySQL and MariaDB have no shared named locks (GET_LOCK is exclusive only): take an "
@@ -246,8 +255,9 @@ class MySQLBackend:
         yield Statement(SCRIPT, f"KILL QUERY {int(connection_id)}")
 
     def is_connection_failure(self, error: BaseException) -> bool:
-        if error_code(error) in CONNECTION_GONE:
+        if error_code(error) in CONNECTION_GONE or isinstance(error, ConnectionError):
             return True
+        # PyMySQL and mysqlclient raise InterfaceError (0, '') on a closed connection.
         names = {cls.__name__ for cls in type(error).__mro__}
         return "InterfaceError" in names
 
