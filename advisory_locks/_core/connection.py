@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from advisory_locks._core.executors import protocol_session_id
 from advisory_locks._core.steps import Executor, Statement, Steps, on
-from advisory_locks._dialects.base import WAIT_CANCELLED_STATE
+from advisory_locks._dialects.base import SERVER_SESSION_STATE, WAIT_CANCELLED_STATE
 from advisory_locks.errors import LockUsageError, UnsupportedFeature
 from advisory_locks.keys import LockKey, LockName
 
@@ -239,6 +239,7 @@ def check_server(
     if state.behind_proxy is None:
         assert state.backend is not None
         server_id = yield from on(executor, state.backend.inspect_server(state.driver_state))
+        state.driver_state[SERVER_SESSION_STATE] = server_id
         client_id = protocol_session_id(driver_connection)
         state.behind_proxy = client_id is not None and client_id != server_id
     if session_lock and state.behind_proxy and pooler is None:

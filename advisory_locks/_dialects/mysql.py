@@ -22,6 +22,7 @@ from advisory_locks._core.contract import Timeout
 from advisory_locks._core.executors import protocol_session_id
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
 from advisory_locks._dialects.base import (
+    SERVER_SESSION_STATE,
     SERVER_VERSION_STATE,
     WAIT_CANCELLED_STATE,
     LockedRow,
@@ -245,7 +246,7 @@ class MySQLBackend:
         # MySQL has no cancel request in its protocol: another session kills the waiting
         # statement (GET_LOCK then returns NULL). KILL QUERY reaching a session that has
         # already finished the statement does nothing to its next one (MariaDB 10.11).
-        connection_id = protocol_session_id(driver_connection)
+        connection_id = state.get(SERVER_SESSION_STATE) or protocol_session_id(driver_connection)
         if connection_id is None:
             raise UnsupportedDatabase(
                 f"cannot tell which server session {type(driver_connection).__name__} "

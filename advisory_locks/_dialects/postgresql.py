@@ -16,7 +16,7 @@ from typing import Any, Final
 from advisory_locks._core.contract import Timeout
 from advisory_locks._core.executors import protocol_session_id
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
-from advisory_locks._dialects.base import LockedRow, StatementSteps
+from advisory_locks._dialects.base import SERVER_SESSION_STATE, LockedRow, StatementSteps
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockDeadlock,
@@ -238,7 +238,7 @@ class PostgresBackend:
             cancel()
             return
         # Drivers without a blocking cancel call: ask the server from another connection.
-        backend_pid = protocol_session_id(driver_connection)
+        backend_pid = state.get(SERVER_SESSION_STATE) or protocol_session_id(driver_connection)
         if backend_pid is None:
             raise UnsupportedDatabase(
                 f"cannot tell which server session {type(driver_connection).__name__} "
