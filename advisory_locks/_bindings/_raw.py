@@ -7,8 +7,9 @@ else is here, written once for blocking and asyncio drivers alike (the preparati
 borrow is steps, run by ``run_steps`` or awaited by ``arun_steps``):
 
 - ``ConnectionSite``: locks on a connection the caller owns. Its ``RawConnectionState``
-  (re-entrancy counts, the server check) is kept per physical driver connection in a
-  ``WeakKeyDictionary``, so it lives exactly as long as that connection.
+  (re-entrancy counts, the server check) is kept per physical driver connection, on the
+  connection itself where it has a ``__dict__``, else in a ``WeakKeyDictionary`` (the
+  driver's ``find_state`` / ``keep_state``), so it lives as long as that connection.
 - ``PoolSite``: a pool bind checks a connection out per lock, like an Engine, in
   autocommit, and returns it when the lock is released (a lock set shares one).
 
@@ -96,6 +97,10 @@ DECLARE_POOLER: Final = (
     "advisory_locks.declare_pooler(pool_or_connection, 'session') once, where the pool "
     "or connection is made"
 )
+
+
+# The attribute a connection that has a __dict__ keeps its state in.
+STATE_ATTRIBUTE: Final = "_advisory_locks_state"
 
 
 class ConnectionGone(AdvisoryLockError):
@@ -205,6 +210,34 @@ class RawDriver:
         """Close a connection that must not be used again (its server session ends)."""
         bind.close()
 
+    # The state of a connection, kept for exactly as long as the connection lives.
+    def new_state(self, backend: Backend) -> RawConnectionState:
+        return RawConnectionState(backend=backend)
+
+    def find_state(self, connection: Any) -> RawConnectionState | None:
+        """The state kept for ``connection`` (None before its first lock)."""
+        namespace = getattr(connection, "__dict__", None)
+        if namespace is not None:
+            found: RawConnectionState | None = namespace.get(STATE_ATTRIBUTE)
+            return found
+        return _states.get(connection)
+
+    def keep_state(self, connection: Any, state: RawConnectionState) -> None:
+        """Keep ``state`` for as long as ``connection`` lives (called once, under a
+        mutex); a driver whose connections can be neither given an attribute nor weakly
+        referenced (sqlite3) overrides this and ``find_state``."""
+        state.connection = weakref.ref(connection)
+        namespace = getattr(connection, "__dict__", None)
+        if namespace is not None:
+            # On the connection itself (psycopg 3, PyMySQL, mysqlclient): the state's
+            # executors refer to the connection, a cycle the garbage collector frees with
+            # it, so a connection dropped without close() still closes. In the weak
+            # mapping (psycopg2 and asyncpg connections have no __dict__) those references
+            # keep the connection alive.
+            namespace[STATE_ATTRIBUTE] = state
+        else:
+            _states[connection] = state
+
     # A pool bind's connections (for drivers that have pools).
     def checkout(self, pool: Any) -> Any:  # pragma: no cover - drivers with pools override
         raise TypeError(f"{type(pool).__name__} is not a pool")
@@ -268,20 +301,15 @@ _states: weakref.WeakKeyDictionary[Any, RawConnectionState] = weakref.WeakKeyDic
 _states_mutex = threading.Lock()
 
 
-def existing_state(connection: Any) -> RawConnectionState | None:
-    return _states.get(connection)
-
-
 def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnectionState:
     """The state of ``connection``, made on first use and brought up to date."""
-    state = _states.get(connection)
+    state = driver.find_state(connection)
     if state is None:
         with _states_mutex:
-            state = _states.get(connection)
+            state = driver.find_state(connection)
             if state is None:
-                state = RawConnectionState(backend=backend)
+                state = driver.new_state(backend)
                 state.driver = driver
-                state.connection = weakref.ref(connection)
                 state.epoch = driver.epoch(connection)
                 plain = driver.executor(connection, state.driver_state)
                 if isinstance(driver, AsyncRawDriver):
@@ -294,7 +322,7 @@ def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnec
                     state.session_executor = SyncAutocommitExecutor(
                         driver, connection, state.transaction_executor
                     )
-                _states[connection] = state
+                driver.keep_state(connection, state)
                 return state
     state.observe()
     # With nothing held, observe() did not look; a reset session has nothing to forget.
@@ -480,7 +508,7 @@ class ConnectionSite:
             return None
         driver = self.driver
         connection = driver.physical(self.bind)
-        state = None if connection is None else _states.get(connection)
+        state = None if connection is None else driver.find_state(connection)
         if state is None or state.behind_proxy is not False or driver.is_closed(connection):
             return None
         state.observe()
@@ -495,7 +523,7 @@ class ConnectionSite:
 
     def held_names(self) -> list[LockName]:
         connection = self.driver.physical(self.bind)
-        state = None if connection is None else existing_state(connection)
+        state = None if connection is None else self.driver.find_state(connection)
         if state is None:
             return []
         state.observe()
