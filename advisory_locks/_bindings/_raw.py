@@ -25,6 +25,9 @@ Transactions, decided here for every raw driver:
   with the driver switched to autocommit for that statement only (no round trip), so
   the lock never opens a transaction the application does not know about, neither when
   it is taken nor when it is released after the application's transaction ended.
+  Drivers whose lock statements begin no transaction (MySQL's ``GET_LOCK``, SQLite's
+  file locks) send them as they are instead (``autocommit_for_session_locks``): there,
+  switching autocommit on would commit the caller's transaction.
 - A transaction lock needs the driver's own transaction: ``conn.transaction()``, or a
   non-autocommit connection, where the lock statement begins the transaction as any
   statement does (DB-API's implicit BEGIN) and the lock lasts until ``commit()`` or
@@ -170,6 +173,12 @@ class RawDriver:
     dialect: str = "postgresql"
     # How to open a transaction with this driver, for the refusal of transaction locks.
     open_transaction: str = "open one first (e.g. `with conn.transaction():`)"
+    # Whether a session lock's statements on an idle non-autocommit connection run with
+    # the driver switched to autocommit for that statement, so that they begin no
+    # transaction (PostgreSQL: any statement would). False where the lock statements
+    # never begin one and switching could end the caller's transaction (MySQL's SET
+    # autocommit=1 commits; sqlite3's isolation_level=None commits).
+    autocommit_for_session_locks: bool = True
 
     def physical(self, bind: Any) -> Any:
         """The driver connection ``bind`` stands for (None: no longer usable by it)."""
@@ -319,8 +328,10 @@ def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnec
                     )
                 else:
                     state.transaction_executor = RaisingExecutor(plain, backend)
-                    state.session_executor = SyncAutocommitExecutor(
-                        driver, connection, state.transaction_executor
+                    state.session_executor = (
+                        SyncAutocommitExecutor(driver, connection, state.transaction_executor)
+                        if driver.autocommit_for_session_locks
+                        else state.transaction_executor
                     )
                 driver.keep_state(connection, state)
                 return state
