@@ -43,7 +43,8 @@ Errors that mean the connection is gone become ``ConnectionGone`` (an
 ``AdvisoryLockError``) at acquire and ``LockLost`` for a held lock, never a raw driver
 error. An acquire interrupted by cancellation (``asyncio.wait_for``, KeyboardInterrupt)
 closes the connection it waited on: the server may still grant the abandoned wait, and
-only closing makes sure nobody inherits that grant. A pool replaces it.
+only closing makes sure nobody inherits that grant. A pool replaces it. (Locks this
+process holds itself, SQLite's, leave nothing to grant: the connection stays.)
 
 Poolers: a connection whose server process id (told by the driver at connect) is not the
 one its statements run in reaches the server through a pooler or proxy; session locks
@@ -281,10 +282,16 @@ class RawConnectionState(ConnectionState):
     driver: RawDriver
     connection: weakref.ReferenceType[Any]
     epoch: object
-    # Statements of session locks (switching a non-autocommit connection to autocommit
-    # while it is idle) and of transaction locks (in the driver's transaction).
-    session_executor: Any
-    transaction_executor: Any
+    _executors: tuple[Any, Any] | None = None
+
+    def executors(self, connection: Any) -> tuple[Any, Any]:
+        """The executors of session locks (switching a non-autocommit connection to
+        autocommit while it is idle, where the driver needs that) and of transaction
+        locks (in the driver's transaction), made once per connection."""
+        executors = self._executors
+        if executors is None:
+            executors = self._executors = new_executors(self.driver, connection, self)
+        return executors
 
     def observe(self) -> None:
         if not self.holdings and not self.pending_release:
@@ -320,25 +327,26 @@ def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnec
                 state = driver.new_state(backend)
                 state.driver = driver
                 state.epoch = driver.epoch(connection)
-                plain = driver.executor(connection, state.driver_state)
-                if isinstance(driver, AsyncRawDriver):
-                    state.transaction_executor = AsyncRaisingExecutor(plain, backend)
-                    state.session_executor = AutocommitExecutor(
-                        driver, connection, state.transaction_executor
-                    )
-                else:
-                    state.transaction_executor = RaisingExecutor(plain, backend)
-                    state.session_executor = (
-                        SyncAutocommitExecutor(driver, connection, state.transaction_executor)
-                        if driver.autocommit_for_session_locks
-                        else state.transaction_executor
-                    )
                 driver.keep_state(connection, state)
                 return state
     state.observe()
     # With nothing held, observe() did not look; a reset session has nothing to forget.
     state.epoch = driver.epoch(connection)
     return state
+
+
+def new_executors(driver: RawDriver, connection: Any, state: RawConnectionState) -> tuple[Any, Any]:
+    """(session-lock executor, transaction-lock executor) for ``connection``."""
+    backend = state.backend
+    assert backend is not None
+    plain = driver.executor(connection, state.driver_state)
+    if isinstance(driver, AsyncRawDriver):
+        transaction: Any = AsyncRaisingExecutor(plain, backend)
+        return AutocommitExecutor(driver, connection, transaction), transaction
+    transaction = RaisingExecutor(plain, backend)
+    if not driver.autocommit_for_session_locks:
+        return transaction, transaction
+    return SyncAutocommitExecutor(driver, connection, transaction), transaction
 
 
 # -- executors ------------------------------------------------------------------------------
@@ -465,6 +473,11 @@ class ConnectionBorrow:
         pass
 
     def broken(self, error: BaseException) -> None:
+        if not isinstance(error, Exception) and not self.site.backend.locks_on_server:
+            # An interrupted wait for a lock this process holds itself (SQLite's file
+            # locks) leaves nothing behind that could be granted later: the backend
+            # closed its file. The caller's connection and its other locks stay.
+            return
         self._broken = True
 
     def _still_ours(self) -> bool:
@@ -527,7 +540,8 @@ class ConnectionSite:
         status = driver.status(connection)
         if state.pending_release or status == FAILED:
             return None
-        return ConnectionBorrow(self, connection, state.session_executor, state, status != IDLE)
+        executor = state.executors(connection)[0]
+        return ConnectionBorrow(self, connection, executor, state, status != IDLE)
 
     def run(self, steps: Steps[Any]) -> Awaitable[Any]:
         return arun_steps(steps, self)
@@ -557,20 +571,21 @@ class ConnectionSite:
                 "the connection's transaction failed; roll it back before taking a lock"
             )
         in_transaction = status != IDLE
+        session_executor, transaction_executor = state.executors(connection)
         if transaction:
             if not in_transaction and driver.autocommit(connection):
                 raise UnsupportedFeature(
                     "transaction=True needs a transaction, and this connection has none "
                     f"open: {driver.open_transaction}, or take a session lock instead"
                 )
-            executor = state.transaction_executor
+            executor = transaction_executor
             if in_transaction:
                 yield from forget_ended_transaction_locks(state, executor)
             # On an idle non-autocommit connection the lock statement begins the driver's
             # transaction, which the lock must then protect like the caller's own.
             in_transaction = True
         else:
-            executor = state.session_executor
+            executor = session_executor
         yield from check_server(
             state,
             executor,
@@ -582,7 +597,7 @@ class ConnectionSite:
         )
         if state.pending_release and status == IDLE:
             # A failed transaction postponed these unlocks and has ended since.
-            yield from finish_pending_releases(state, state.session_executor)
+            yield from finish_pending_releases(state, session_executor)
         return ConnectionBorrow(self, connection, executor, state, in_transaction)
 
 
@@ -635,7 +650,7 @@ class PooledBorrow:
         self.bind = bind
         self.connection = site.driver.physical(bind)
         self.state = state_for(site.driver, self.connection, site.backend)
-        self.executor = self.state.transaction_executor
+        self.executor = self.state.executors(self.connection)[1]
         self.in_transaction = False
         self.previous_autocommit: bool | None = None
         self._action: str | None = None
