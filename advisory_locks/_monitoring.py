@@ -3,18 +3,42 @@
 Both commands show a lock name's key (as PostgreSQL sees it, or the ``GET_LOCK`` name
 MySQL and MariaDB see) and the table of held and awaited locks a backend's
 ``list_locks`` returns; the wording lives here once so the two cannot drift apart.
+
+A listed key is a hash: its name is known only where someone tells it. ``KnownNames``
+holds the names an operator gave (each hashed with every key scheme, so a match also
+tells the scheme), and ``identify`` adds what a row itself shows: the
+``with_advisory_lock`` gem writes its lock name into the statement as a ``/* name */``
+comment, which ``pg_stat_activity.query`` keeps while the holder is idle. Where the name
+stays unknown, the key's shape still suggests a scheme (``guessed_scheme``).
 """
 
 from __future__ import annotations
 
+import re
 import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
 from advisory_locks._dialects.base import LockedRow
 from advisory_locks._dialects.mysql import server_lock_name
-from advisory_locks.keys import CALLABLE_SCHEME, KeyScheme, LockKey, derive_key, scheme_label
+from advisory_locks.keys import (
+    CALLABLE_SCHEME,
+    INT32_MAX,
+    INT32_MIN,
+    KEY_SCHEMES,
+    KeyScheme,
+    LockKey,
+    LockName,
+    derive_key,
+    scheme_label,
+)
 
 __all__ = [
+    "Identity",
+    "KnownNames",
+    "guessed_scheme",
+    "identify",
     "key_arguments",
     "key_details",
     "key_document",
@@ -23,7 +47,19 @@ __all__ = [
     "mysql_key_details",
     "mysql_key_document",
     "mysql_lock_name",
+    "rails_comment_name",
 ]
+
+ListedKey = int | tuple[int, int] | str
+
+# The gem's lock statement: SELECT pg_try_advisory_lock(k1,k2) AS t<hex> /* name */
+# (the name with "/*" and "*/" replaced by "--"). Unlock statements are not matched: a
+# connection idle after one no longer holds that lock.
+LOCK_CALL: Final = re.compile(
+    r"\bpg_(?:try_)?advisory_(?:xact_)?lock(?:_shared)?\s*\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?\)",
+    re.IGNORECASE,
+)
+TRAILING_COMMENT: Final = re.compile(r"/\* (.*?) \*/\s*;?\s*$", re.DOTALL)
 
 # Without a terminal there is no width to fit; still keep one row per lock readable.
 UNFITTED_QUERY_CHARS: Final = 200
@@ -133,8 +169,122 @@ def _looks_like_integer(text: str) -> bool:
     return True
 
 
-def lock_document(row: LockedRow) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What a listed key is known to stand for."""
+
+    name: LockName | None = None
+    # The key scheme; certain when a name was matched by hashing it, else a guess.
+    scheme: str | None = None
+    scheme_certain: bool = False
+    source: str | None = None  # where the name came from: "given", "query comment", ...
+
+    @property
+    def scheme_shown(self) -> str:
+        if self.scheme is None:
+            return "-"
+        return self.scheme if self.scheme_certain else f"{self.scheme}?"
+
+
+@dataclass
+class KnownNames:
+    """Names to recognise among listed keys, each hashed with every key scheme."""
+
+    dialect: str = "postgresql"
+    by_key: dict[ListedKey, Identity] = field(default_factory=dict)
+
+    def add(self, name: LockName, *, prefix: str | int | None, source: str) -> None:
+        """Recognise ``name`` (hashed with ``prefix``) wherever its key is listed.
+
+        Raises TypeError/ValueError for a name no scheme can hash.
+        """
+        if not isinstance(name, str):
+            self._add(derive_key(name), None, source)
+            return
+        errors: list[Exception] = []
+        for scheme in KEY_SCHEMES:
+            try:
+                key = derive_key(name, scheme=scheme, prefix=prefix)
+            except ValueError as error:  # e.g. the rails scheme and a text prefix
+                errors.append(error)
+                continue
+            self._add(key, scheme, source)
+        if len(errors) == len(KEY_SCHEMES):
+            raise errors[0]
+
+    def add_held(self, keys: Iterable[LockKey], *, source: str) -> None:
+        """Recognise keys this process derived itself: each knows its own scheme."""
+        for key in keys:
+            self._add(key, key.scheme if isinstance(key.name, str) and key.scheme else None, source)
+
+    def _add(self, key: LockKey, scheme: str | None, source: str) -> None:
+        if self.dialect == "mysql":
+            # GET_LOCK sees prefix + name whatever the scheme: the scheme is not visible.
+            self.by_key.setdefault(server_lock_name(key), Identity(key.name, None, False, source))
+        elif scheme is None:
+            guess = guessed_scheme(key.value)
+            self.by_key.setdefault(key.value, Identity(key.name, guess, False, source))
+        else:
+            self.by_key.setdefault(key.value, Identity(key.name, scheme, True, source))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.by_key
+
+
+def identify(row: LockedRow, known: KnownNames | Mapping[Any, Identity] | None = None) -> Identity:
+    """What ``row``'s key stands for: a known name, the gem's comment, or a guess."""
+    by_key = known.by_key if isinstance(known, KnownNames) else (known or {})
+    found = by_key.get(row.key)
+    if found is not None:
+        return found
+    commented = rails_comment_name(row)
+    if commented is not None:
+        key = derive_key(commented, scheme="rails", prefix=row.key[1])  # type: ignore[index]
+        # The comment is the gem's only if its name hashes to the key; a name it had to
+        # rewrite ("/*" -> "--") no longer does, and is shown without a certain scheme.
+        matches = key.value == row.key
+        return Identity(commented, "rails", matches, "query comment")
+    return Identity(None, guessed_scheme(row.key), False, None)
+
+
+def rails_comment_name(row: LockedRow) -> str | None:
+    """The ``/* name */`` the with_advisory_lock gem put in the row's query, if any.
+
+    Only when the query's lock call has the row's own keys: the comment then names this
+    lock, not another one the connection took.
+    """
+    if not isinstance(row.key, tuple):
+        return None
+    call = LOCK_CALL.search(row.query)
+    if call is None or call.group(2) is None:
+        return None
+    if (int(call.group(1)), int(call.group(2))) != row.key:
+        return None
+    comment = TRAILING_COMMENT.search(row.query, call.end())
+    if comment is None or not comment.group(1).strip():
+        return None
+    return comment.group(1)
+
+
+def guessed_scheme(key: ListedKey) -> str | None:
+    """The key scheme a listed key's shape suggests, or None when nothing does.
+
+    A pair of non-negative int4s is what the with_advisory_lock gem sends (crc32 of the
+    name, masked to 31 bits, and its prefix, 0 by default); a bigint within the int4
+    range is a small integer key or PostgreSQL's ``hashtext()``; any other bigint is a
+    64-bit hash (sha256, pglock or another), which only the name can tell apart.
+    """
+    if isinstance(key, str):
+        return None
+    if isinstance(key, tuple):
+        first, second = key
+        return "rails" if first >= 0 and second >= 0 else None
+    return "int4" if INT32_MIN <= key <= INT32_MAX else None
+
+
+def lock_document(row: LockedRow, identity: Identity | None = None) -> dict[str, Any]:
     """One row of ``list_locks`` as a JSON object."""
+    identity = identify(row) if identity is None else identity
     pg_locks = None
     if not isinstance(row.key, str):
         classid, objid, objsubid = derive_key(row.key).pg_locks_ids()
@@ -151,17 +301,40 @@ def lock_document(row: LockedRow) -> dict[str, Any]:
         "client_addr": row.client_addr,
         "state": row.state,
         "query": row.query,
+        "name": list(identity.name) if isinstance(identity.name, tuple) else identity.name,
+        "name_source": identity.source,
+        "scheme": identity.scheme,
+        "scheme_certain": identity.scheme_certain,
     }
 
 
-def locks_table(rows: list[LockedRow], out: TextIO) -> str:
-    """The rows of ``list_locks`` as a table, fitted to ``out`` when it is a terminal."""
+def locks_table(
+    rows: list[LockedRow], out: TextIO, known: KnownNames | Mapping[Any, Identity] | None = None
+) -> str:
+    """The rows of ``list_locks`` as a table, fitted to ``out`` when it is a terminal.
+
+    SCHEME is the key scheme (``?``: guessed from the key's shape); NAME the lock's name
+    where ``known`` or the row's query tells it.
+    """
     if not rows:
         return "No advisory locks are held or awaited in this database.\n"
     at_most = _at_most_sign(out)
-    header = ("PID", "STATUS", "MODE", "FOR", "KEY", "PG_LOCKS", "APPLICATION", "CLIENT", "STATE")
+    header = (
+        "PID",
+        "STATUS",
+        "MODE",
+        "FOR",
+        "KEY",
+        "SCHEME",
+        "NAME",
+        "PG_LOCKS",
+        "APPLICATION",
+        "CLIENT",
+        "STATE",
+    )
     cells = [header]
     for row in rows:
+        identity = identify(row, known)
         if isinstance(row.key, str):  # MySQL: the server knows the lock by this name
             pg_locks = "-"
         else:
@@ -179,6 +352,8 @@ def locks_table(rows: list[LockedRow], out: TextIO) -> str:
                 row.mode,
                 duration,
                 key,
+                identity.scheme_shown,
+                _name_cell(identity.name),
                 pg_locks,
                 row.application_name or "-",
                 row.client_addr or "local",
@@ -202,7 +377,17 @@ def locks_table(rows: list[LockedRow], out: TextIO) -> str:
     if any(row.granted for row in rows):
         lines.append(f"{at_most} held at most this long (since the holder's connection started)")
     lines.append("QUERY is the connection's current statement, or its last one when STATE is idle")
+    if any(identify(row, known).scheme_shown.endswith("?") for row in rows):
+        lines.append("SCHEME? is guessed from the key's shape; --name NAME tells the name")
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _name_cell(name: LockName | None) -> str:
+    if name is None:
+        return "-"
+    if isinstance(name, tuple):
+        return ",".join(map(str, name))
+    return repr(name) if isinstance(name, str) else str(name)
 
 
 def _duration(seconds: float | None, qualifier: str) -> str:

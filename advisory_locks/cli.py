@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from advisory_locks._monitoring import (
+    KnownNames,
+    identify,
     key_arguments,
     key_details,
     key_document,
@@ -57,10 +59,17 @@ pg_advisory_lock(...) (a pair as "A, B"), so scripts can write
 Defaults come from ${SCHEME_ENV} and ${PREFIX_ENV}, like the library.
 """
 
-LIST_EPILOG = """\
+LIST_EPILOG = f"""\
 FOR is how long a waiter has waited, or for a holder an upper bound:
 PostgreSQL does not record when an advisory lock was granted, so it shows the time since
 the holder's connection started. Only the current database's locks are listed.
+
+A key is a hash of its name: NAME shows the names you give (--name, --names-file), each
+hashed with every key scheme and the prefix (--prefix, default ${PREFIX_ENV}), so
+a match also tells the SCHEME; and the names the Ruby with_advisory_lock gem writes into
+its lock statements as /* name */ comments, while the holder is idle after taking it.
+Otherwise SCHEME is guessed from the key (marked ?): a pair of non-negative keys is the
+gem's (prefix 0 by default), a bigint in the int4 range a small integer or hashtext().
 """
 
 
@@ -147,6 +156,21 @@ def _parser() -> argparse.ArgumentParser:
         f"(default: ${URL_ENVIRONMENT[0]}, then ${URL_ENVIRONMENT[1]})",
     )
     list_.add_argument("--json", action="store_true", help="print a JSON array, one object a lock")
+    list_.add_argument(
+        "--name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a lock name to recognise among the keys (repeatable)",
+    )
+    list_.add_argument(
+        "--names-file",
+        metavar="FILE",
+        help="read names to recognise from FILE, one a line (# comments; - for stdin)",
+    )
+    list_.add_argument(
+        "--prefix", help=f"namespace the names were hashed with (default: ${PREFIX_ENV})"
+    )
     return parser
 
 
@@ -216,16 +240,42 @@ def _run_list(arguments: argparse.Namespace, out: TextIO) -> int:
         raise UsageError(
             f"no database: pass --url or set ${URL_ENVIRONMENT[0]} or ${URL_ENVIRONMENT[1]}"
         )
-    rows = _fetch_locks(url)
+    names = [*arguments.name, *_names_from_file(arguments.names_file)]
+    prefix = arguments.prefix if arguments.prefix is not None else os.environ.get(PREFIX_ENV)
+    rows, dialect = _fetch_locks(url)
+    known = KnownNames(dialect)
+    for name in names:
+        try:
+            known.add(name, prefix=prefix, source="given")
+        except (TypeError, ValueError) as error:
+            raise UsageError(f"cannot hash the name {name!r}: {error}") from None
     if arguments.json:
-        json.dump([lock_document(row) for row in rows], out, ensure_ascii=False, indent=2)
+        documents = [lock_document(row, identify(row, known)) for row in rows]
+        json.dump(documents, out, ensure_ascii=False, indent=2)
         out.write("\n")
     else:
-        out.write(locks_table(rows, out))
+        out.write(locks_table(rows, out, known))
     return 0
 
 
-def _fetch_locks(url_text: str) -> list[LockedRow]:
+def _names_from_file(path: str | None) -> list[str]:
+    """The names in a --names-file: one a line, blank lines and # comments skipped."""
+    if path is None:
+        return []
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as file:
+                text = file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read --names-file {path}: {error}") from None
+    lines = (line.strip() for line in text.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _fetch_locks(url_text: str) -> tuple[list[LockedRow], str]:
+    """The locks listed by the server at ``url_text``, and the backend's dialect name."""
     try:
         from sqlalchemy import create_engine
         from sqlalchemy.exc import SQLAlchemyError
@@ -249,7 +299,8 @@ def _fetch_locks(url_text: str) -> list[LockedRow]:
             with engine.connect() as connection:
                 pooled = connection.connection
                 executor = DBAPIExecutor(pooled.dbapi_connection)
-                return run_steps(on(executor, backend.list_locks(executor.state)))
+                rows = run_steps(on(executor, backend.list_locks(executor.state)))
+                return rows, backend.dialect_name
         finally:
             engine.dispose()
     except (SQLAlchemyError, AdvisoryLockError, ImportError, ValueError) as error:
@@ -264,17 +315,48 @@ def _sync_url(text: str) -> Any:
     # Heroku-style DATABASE_URLs say postgres://, which SQLAlchemy no longer accepts.
     if backend == "postgres":
         backend = "postgresql"
-    # A bare postgresql:// means psycopg2 to SQLAlchemy; prefer psycopg 3 when present.
-    # Async drivers need an event loop for nothing here, so use a sync one instead.
+    # A bare URL means one particular driver to SQLAlchemy (postgresql:// psycopg2,
+    # mysql:// mysqlclient), installed or not: use whichever of the database's drivers is
+    # installed instead. Async drivers need an event loop for nothing here: a sync one too.
     if backend == "postgresql" and driver in ("", "asyncpg", "psycopg_async"):
         driver = "psycopg" if _installed("psycopg") else "psycopg2"
+    elif backend in ("mysql", "mariadb") and driver in ("", "aiomysql", "asyncmy"):
+        driver = installed_mysql_driver()
     return url.set(drivername=f"{backend}+{driver}" if driver else backend)
+
+
+def installed_mysql_driver() -> str:
+    """SQLAlchemy's name for the MySQL driver installed here: mysqlclient, else PyMySQL.
+
+    mysqlclient (``MySQLdb``) is preferred when it is the real one; PyMySQL registered
+    under that name (``pymysql.install_as_MySQLdb()``) counts as PyMySQL.
+    """
+    import importlib
+    import sys
+
+    loaded = sys.modules.get("MySQLdb")
+    if loaded is None and _installed("MySQLdb"):
+        try:
+            loaded = importlib.import_module("MySQLdb")
+        except ImportError:  # a broken build (missing client library) is not installed
+            loaded = None
+    if loaded is not None and loaded.__name__ == "MySQLdb":
+        return "mysqldb"
+    if _installed("pymysql"):
+        return "pymysql"
+    raise UsageError(
+        "a MySQL/MariaDB URL needs a driver: pip install 'advisory-locks[mysql]' (PyMySQL) "
+        "or 'advisory-locks[mysqlclient]'"
+    )
 
 
 def _installed(module: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec(module) is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # sys.modules[module] is None: imports of it are blocked
+        return False
 
 
 def _first_line(error: BaseException) -> str:

@@ -7,9 +7,22 @@ works here unchanged.
 
 What one Django connection holds is recorded in a ``DjangoConnectionLocks`` kept on
 the ``DatabaseWrapper`` (which Django keeps per thread and alias) together with the DB-API
-connection it describes. When Django closes or reconnects (``CONN_MAX_AGE``,
-``close_old_connections()``, ``connection.close()``) the DB-API connection changes, the
-server has released everything, and the record is replaced at the next look.
+connection it describes.
+
+No connection is closed, or given back to Django 5.1+'s pool, holding a lock this library
+took: ``connection_closing`` runs just before Django closes one (``_compat``'s close hook),
+unlocks what is still held on the server, logs a warning naming each lock, and marks the
+holders' locks lost (their ``ensure_held()``/``release()`` raise ``LockLost``). Without it a
+pooled connection would carry its locks to the next borrower, who would be "granted" them
+again (the server counts them re-entrant) while the first holder still believed it held
+them. Likewise a request's end (``request_finished``) unlocks the session locks taken
+during that request and not released by its end, so a persistent connection
+(``CONN_MAX_AGE``) never carries them into the next request; locks taken outside any
+request (a command, a worker thread) live until released or until their connection closes.
+
+In a forked child (``ConnectionState.inherited``) none of this unlocks anything: the locks
+are the parent's, and the child's copy of a connection is cut off the server before Django
+closes it, so that closing it cannot end the parent's session either.
 
 Transaction locks follow Django's own bookkeeping of a transaction's fate: each one puts a
 callback in ``connection.run_on_commit``. Django calls it after the outermost commit and
@@ -21,6 +34,8 @@ interpreters that collect later.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -34,11 +49,19 @@ from advisory_locks._core.connection import (
     Holding,
     check_server,
     finish_pending_releases,
+    release_session_locks,
 )
-from advisory_locks._core.executors import DBAPIExecutor
-from advisory_locks._core.steps import Statement, run_steps
+from advisory_locks._core.executors import DBAPIExecutor, detach_inherited_connection
+from advisory_locks._core.steps import Executor, Statement, on, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
 from advisory_locks.errors import UnsupportedFeature
+from advisory_locks_django._compat import (
+    django_errors,
+    new_wrapper,
+    on_commit_callbacks,
+    refuse_broken_transaction,
+    uses_pool,
+)
 from advisory_locks_django.conf import SESSION_UNSAFE_POOLERS, lock_settings
 
 if TYPE_CHECKING:
@@ -52,12 +75,30 @@ __all__ = [
     "DjangoExecutor",
     "DjangoSite",
     "backend_for_alias",
+    "connection_closing",
     "connection_locks",
     "held_keys",
     "observe_connection",
+    "open_other_connection",
+    "own_connection",
+    "request_finished",
+    "request_started",
 ]
 
+logger = logging.getLogger("advisory_locks_django")
+
 REGISTRY_ATTRIBUTE: Final = "_advisory_locks"
+
+# Why a lock ended without its holder releasing it, as the holder's LockLost tells it.
+CLOSED_HOLDING: Final = (
+    "Django closed its connection (connection.close(), CONN_MAX_AGE, a request's end, "
+    "close_old_connections()) or gave it back to its pool while the lock was held"
+)
+REQUEST_ENDED: Final = "the request it was taken in ended before it was released"
+
+# Whether this thread is inside a request (between request_started and
+# request_finished). Django's connections are per thread, and so is this.
+_request = threading.local()
 
 # Every registry alive in this process, so the management command can name the keys of
 # locks this process holds, whichever thread holds them.
@@ -87,13 +128,23 @@ class DjangoConnectionLocks(ConnectionState):
     commit_hooks: dict[Holding, weakref.ReferenceType[Callable[[], None]]] = field(
         default_factory=dict
     )
+    # Session locks granted while this thread was inside a request.
+    request_holdings: list[Holding] = field(default_factory=list)
+    # Locks this library let go of without their holder's release, and why.
+    ended: dict[Holding, str] = field(default_factory=dict)
 
     def add(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding:
         holding = super().add(key, shared=shared, transaction=transaction)
         self.granted_at[holding] = time.monotonic()
         if transaction:
             self._watch_transaction(holding)
+        elif getattr(_request, "active", False):
+            self.request_holdings.append(holding)
         return holding
+
+    def end_reason(self, holding: Holding) -> str | None:
+        """Why ``holding`` was let go of by this library, if it was."""
+        return self.ended.get(holding)
 
     def forget(self, holding: Holding) -> None:
         super().forget(holding)
@@ -103,6 +154,8 @@ class DjangoConnectionLocks(ConnectionState):
         """The server no longer holds ``holding``: forget it and say so."""
         if holding.active:
             self.forget(holding)
+        if holding in self.request_holdings:
+            self.request_holdings.remove(holding)
         granted_at = self.granted_at.pop(holding, None)
         if granted_at is None:
             return  # already reported
@@ -134,7 +187,7 @@ class DjangoConnectionLocks(ConnectionState):
         """Forget transaction locks whose transaction or savepoint has ended."""
         if not self.commit_hooks:
             return
-        pending = {id(entry[1]) for entry in wrapper.run_on_commit}
+        pending = {id(callback) for callback in on_commit_callbacks(wrapper)}
         for holding, hook in list(self.commit_hooks.items()):
             callback = hook()
             if callback is None or id(callback) not in pending or not wrapper.in_atomic_block:
@@ -144,6 +197,28 @@ class DjangoConnectionLocks(ConnectionState):
         """Django closed or replaced the DB-API connection; the server let go of all."""
         for holding in self.connection_gone():
             self.released(holding, "connection_closed")
+
+
+def own_connection(wrapper: BaseDatabaseWrapper) -> None:
+    """Make sure ``wrapper`` has a DB-API connection of this process's own.
+
+    A forked child still has its parent's connection: a lock taken through it would be
+    taken in the parent's session. The child gets a new one (the close hook cuts the
+    inherited one off without ending the parent's session).
+    """
+    locks = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
+    if isinstance(locks, DjangoConnectionLocks) and locks.inherited:
+        if wrapper.in_atomic_block:
+            raise UnsupportedFeature(
+                f"this process was forked from the one that opened its connection to "
+                f"{wrapper.alias!r}, and is inside atomic() on that connection; leave "
+                "atomic() before taking locks in the child"
+            )
+        wrapper.close()
+    if wrapper.connection is None:
+        # Raises SynchronousOnlyOperation in async code, like any Django query would
+        # (async code has no connection of its own to find here).
+        wrapper.ensure_connection()
 
 
 def connection_locks(
@@ -178,6 +253,127 @@ def observe_connection(wrapper: BaseDatabaseWrapper) -> None:
     locks = connection_locks(wrapper)
     if locks.pending_release and wrapper.connection is not None and wrapper.get_autocommit():
         release_pending(locks, DjangoExecutor(wrapper, wrapper.connection, locks.driver_state))
+
+
+def connection_closing(wrapper: BaseDatabaseWrapper) -> None:
+    """Django is about to close ``wrapper``'s DB-API connection or give it back to the pool.
+
+    Unlock every session lock still held through it (a pooled connection would otherwise
+    carry them to its next borrower), warn about each, and mark them lost for their
+    holders. Where the unlock fails, a pooled connection is closed for real so that the
+    pool discards it (closing ends the server session and its locks); Django closes an
+    unpooled one right after. In a forked child nothing is unlocked, and the inherited
+    connection is cut off first so that closing it does not end the parent's session.
+    """
+    locks = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
+    if not isinstance(locks, DjangoConnectionLocks):
+        return
+    dbapi = wrapper.connection
+    # The next DB-API connection (a new one, or another from the pool) gets a new record.
+    delattr(wrapper, REGISTRY_ATTRIBUTE)
+    if locks.dbapi_connection is not dbapi:
+        locks.django_connection_gone()
+        return
+    if locks.inherited:
+        try:
+            detach_inherited_connection(dbapi)
+        except OSError:
+            # Out of descriptors, say: Django's close must still run; the parent's
+            # session may end with it, which is what Django does without this app.
+            logger.warning("could not cut an inherited connection off the server", exc_info=True)
+        if uses_pool(wrapper):
+            dbapi.close()  # so that the pool discards it rather than lend it out again
+        locks.django_connection_gone()
+        return
+    held = [h for h in locks.session_holdings() if not h.transaction]
+    for holding in [*locks.holdings.values(), *locks.pending_release]:
+        locks.ended.setdefault(holding, CLOSED_HOLDING)
+    if held and locks.backend is not None:
+        executor = locks.executor or DjangoExecutor(wrapper, dbapi, locks.driver_state)
+        try:
+            run_steps(release_session_locks(locks, executor))
+        except Exception as error:
+            logger.warning(
+                "could not unlock the advisory locks on a connection to %r that Django is "
+                "closing (%s); the connection is closed, which ends them",
+                locks.alias,
+                error,
+            )
+            if uses_pool(wrapper):
+                dbapi.close()
+        for holding in held:
+            logger.warning(
+                "advisory lock %r on database %r was still held when Django closed its "
+                "connection; it was released, and its holder's ensure_held() and release() "
+                "raise LockLost",
+                holding.key.name,
+                locks.alias,
+            )
+            locks.released(holding, "connection_closed")
+    locks.django_connection_gone()
+
+
+def request_started() -> None:
+    """This thread starts handling a request: session locks granted from now on are its."""
+    _request.active = True
+
+
+def request_finished() -> None:
+    """This thread's request ended: unlock the session locks it took and left held, report
+    what rollbacks and closed connections released, and finish postponed unlocks.
+
+    Runs after Django's own ``close_old_connections()``, so only connections that stay
+    open into the next request (``CONN_MAX_AGE``) still have such locks; the close hook
+    took care of the others.
+    """
+    _request.active = False
+    for wrapper in connections.all(initialized_only=True):
+        _unlock_request_leftovers(wrapper)
+        observe_connection(wrapper)
+
+
+def _unlock_request_leftovers(wrapper: BaseDatabaseWrapper) -> None:
+    locks = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
+    if not isinstance(locks, DjangoConnectionLocks):
+        return
+    leftover = [holding for holding in locks.request_holdings if holding.active]
+    locks.request_holdings.clear()
+    if not leftover or locks.inherited or wrapper.connection is not locks.dbapi_connection:
+        return
+    for holding in leftover:
+        locks.ended[holding] = REQUEST_ENDED
+        logger.warning(
+            "advisory lock %r on database %r, taken during a request, was still held when "
+            "the request ended; it is released, and its holder's ensure_held() and "
+            "release() raise LockLost",
+            holding.key.name,
+            locks.alias,
+        )
+    if not wrapper.get_autocommit():
+        # The request left a transaction open; unlocking inside it is fine, but Django
+        # will not commit or roll back someone else's work here, so neither do we: the
+        # close ends the transaction and, through the close hook, the locks.
+        wrapper.close()
+        return
+    backend = locks.backend
+    assert backend is not None
+    executor = locks.executor or DjangoExecutor(wrapper, wrapper.connection, locks.driver_state)
+    try:
+        for holding in leftover:
+            unlock = backend.release(locks.driver_state, holding.key, shared=holding.shared)
+            run_steps(on(executor, unlock))
+            locks.released(holding, "request_finished")
+    except Exception:
+        # The close hook tries once more and otherwise makes sure the connection ends.
+        wrapper.close()
+
+
+def open_other_connection(alias: str) -> tuple[Executor, Callable[[], None]]:
+    """A new connection to ``alias``'s database beside this thread's, and how to close it
+    (for statements the thread's own connection cannot run while it waits)."""
+    other = new_wrapper(alias)
+    other.ensure_connection()
+    return DBAPIExecutor(other.connection), other.close
 
 
 def release_pending(locks: DjangoConnectionLocks, executor: DjangoExecutor) -> None:
@@ -218,7 +414,7 @@ class DjangoExecutor:
         return self._executor.state
 
     def execute(self, statement: Statement) -> object:
-        with self.wrapper.wrap_database_errors:
+        with django_errors(self.wrapper):
             return self._executor.execute(statement)
 
 
@@ -277,12 +473,9 @@ class DjangoBorrow:
                 "transaction=True needs atomic(): manual transaction management "
                 "(set_autocommit(False)) gives Django no transaction end to tie the lock to"
             )
-        if wrapper.connection is None:
-            # Raises SynchronousOnlyOperation in async code, like any Django query would
-            # (async code has no connection of its own to find here).
-            wrapper.ensure_connection()
+        own_connection(wrapper)
         # Like a query, taking a lock in a transaction Django knows is broken is refused.
-        wrapper.validate_no_broken_transaction()
+        refuse_broken_transaction(wrapper)
         self.wrapper = wrapper
         self.dbapi_connection = wrapper.connection
         self.registry = self.state = connection_locks(wrapper, site.backend)

@@ -9,10 +9,14 @@ raises ``ImproperlyConfigured`` with the first one.
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
+from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
@@ -58,11 +62,23 @@ class Problem:
 
 
 _cached: LockSettings | None = None
+_app_checked = False
+
+APP_NOT_INSTALLED: Final = (
+    "advisory_locks_django is not in INSTALLED_APPS: locks work, but its system checks "
+    "(settings, databases, drivers) do not run and locks a request leaves behind are not "
+    'reported when it ends. Add "advisory_locks_django" to INSTALLED_APPS.'
+)
 
 
 def lock_settings() -> LockSettings:
-    """The validated setting; raise ImproperlyConfigured when it is invalid."""
+    """The validated setting; raise ImproperlyConfigured when it is invalid.
+
+    The first lock of a process that did not install the app warns (RuntimeWarning).
+    """
     global _cached
+    if not _app_checked:
+        _check_app_installed()
     if _cached is None:
         raw = getattr(settings, SETTING, {})
         found = problems(raw)
@@ -79,6 +95,28 @@ def lock_settings() -> LockSettings:
             poolers=dict(merged["POOLERS"]),
         )
     return _cached
+
+
+def _check_app_installed() -> None:
+    global _app_checked
+    if not apps.ready:
+        return  # a lock made while apps load; the next one checks
+    _app_checked = True
+    if not apps.is_installed("advisory_locks_django"):
+        warnings.warn(APP_NOT_INSTALLED, RuntimeWarning, stacklevel=_first_caller_outside())
+
+
+def _first_caller_outside() -> int:
+    """The warnings stacklevel of the first frame outside this package: the user's line
+    that made the lock, however many of our calls (manager, advisory_lock()) it went
+    through."""
+    package = str(Path(__file__).resolve().parent)
+    frame = sys._getframe(2)  # the caller of _check_app_installed()
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 def _forget_cached(*, setting: str, **kwargs: Any) -> None:

@@ -8,8 +8,10 @@ names computed from a decorated function's arguments, and ``async`` support.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
+import logging
 import string
 import time
 from collections.abc import Callable, Mapping
@@ -17,11 +19,11 @@ from types import TracebackType
 from typing import Any, Final, TypeVar, cast
 
 from asgiref.sync import sync_to_async
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db import transaction as django_transaction
 
 from advisory_locks._core.advisory import AdvisoryLock
-from advisory_locks._core.connection import Holding
+from advisory_locks._core.connection import AbandonableWait, Holding
 from advisory_locks._core.contract import (
     LockOptions,
     Timeout,
@@ -30,6 +32,7 @@ from advisory_locks._core.contract import (
     validate_timeout,
 )
 from advisory_locks.errors import (
+    AdvisoryLockError,
     LockDeadlock,
     LockLost,
     LockNotAcquired,
@@ -43,13 +46,19 @@ from advisory_locks_django._binding import (
     DjangoExecutor,
     DjangoSite,
     connection_locks,
+    open_other_connection,
+    own_connection,
     release_pending,
 )
+from advisory_locks_django._compat import connection_usable
 from advisory_locks_django.conf import lock_settings
 
 __all__ = ["DjangoAdvisoryLock", "NameSpec", "advisory_lock", "current_advisory_locks"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+
+logger = logging.getLogger("advisory_locks_django")
 
 NameSpec = LockName | Callable[..., LockName]
 
@@ -73,11 +82,41 @@ def advisory_lock(
     key_scheme: KeyScheme | None = None,
     key_prefix: str | int | None = None,
 ) -> DjangoAdvisoryLock:
-    """A named lock held by the database ``using``; see docs/django.md.
+    """A named lock held by the database ``using``: a context manager and a decorator.
 
-    ``timeout`` and ``transaction`` default to ``ADVISORY_LOCKS['TIMEOUT']`` and
-    ``['TRANSACTION']``; ``key_scheme`` and ``key_prefix`` to ``['KEY_SCHEME']`` and
-    ``['KEY_PREFIX']``.
+    ``with advisory_lock(name): ...`` takes the lock on the thread's connection to
+    ``using`` and gives it back at the end of the block, also when the block raises.
+    Decorating a function takes the lock around each call. ``acquire()`` / ``release()``
+    is the explicit form.
+
+    :param name: a non-empty ``str`` (hashed to a key), an ``int`` (a signed 64-bit key)
+        or an ``(int, int)`` pair (PostgreSQL's two-key form). When decorating, a ``str``
+        may use ``{argument}`` fields filled from each call's arguments
+        (``"sync-{account_id}"``), or ``name`` may be a callable that takes the call's
+        arguments and returns the name.
+    :param using: the database alias whose connection holds the lock.
+    :param timeout: ``None`` waits until granted, ``0`` never waits, ``t > 0`` lets the
+        server wait at most ``t`` seconds. Default: ``ADVISORY_LOCKS["TIMEOUT"]`` (None).
+    :param shared: take a shared (reader) lock; PostgreSQL and SQLite only.
+    :param transaction: tie the lock to ``atomic()``: one is opened when none is open,
+        and the lock is released when the outermost transaction ends (PostgreSQL only;
+        elsewhere ``UnsupportedFeature``). Default: ``ADVISORY_LOCKS["TRANSACTION"]``
+        (False: a session lock, released at the end of the block).
+    :param skip_if_locked: as a decorator, return ``None`` without calling the function
+        when the lock is busy, instead of raising ``LockNotAcquired``.
+    :param key_scheme: how a ``str`` name becomes a key: ``"sha256"``, ``"pglock"``,
+        ``"rails"``, ``"hashtext"``, or a function ``name -> int | (int, int)``. Default:
+        ``ADVISORY_LOCKS["KEY_SCHEME"]``, else ``"sha256"``.
+    :param key_prefix: a namespace for ``str`` names. Default:
+        ``ADVISORY_LOCKS["KEY_PREFIX"]``, else none.
+    :returns: a [DjangoAdvisoryLock][advisory_locks_django.DjangoAdvisoryLock].
+    :raises TypeError: for a name, alias or flag of the wrong type, before any SQL.
+    :raises ValueError: for an empty name, an out-of-range key or a negative timeout.
+    :raises UnsupportedFeature: when the database cannot honour the options (at
+        ``acquire()``: ``transaction=True`` on MySQL/MariaDB or SQLite, ``shared=True``
+        on MySQL/MariaDB).
+    :raises LockNotAcquired: from ``with`` (and a decorated call), when the lock stayed
+        busy for the whole timeout; ``LockTimeout`` when a timeout > 0 ran out.
     """
     return DjangoAdvisoryLock(
         name,
@@ -92,12 +131,23 @@ def advisory_lock(
 
 
 def current_advisory_locks(using: str = DEFAULT_DB_ALIAS) -> list[LockName]:
-    """Names this thread's connection to ``using`` holds through this library."""
+    """Names this thread's connection to ``using`` holds through this library.
+
+    :param using: the database alias.
+    :returns: one name per lock held (a re-entered lock is counted, not listed again),
+        session and transaction locks alike.
+    """
     return DjangoSite(using).held_names()
 
 
 class DjangoAdvisoryLock:
-    """What [advisory_lock][advisory_locks_django.advisory_lock] returns; see there."""
+    """What [advisory_lock][advisory_locks_django.advisory_lock] returns.
+
+    Takes the same parameters as ``advisory_lock()``. Usable as ``with`` / ``async with``,
+    as a decorator, or through ``acquire()`` / ``release()`` (``aacquire()`` /
+    ``arelease()`` from async code). Re-entry on one connection is counted: the lock is
+    released when the outermost holder releases it.
+    """
 
     __slots__ = (
         "_atomics",
@@ -154,6 +204,7 @@ class DjangoAdvisoryLock:
 
     @property
     def name(self) -> LockName:
+        """The lock's name, as given."""
         return self._core().name
 
     @property
@@ -163,10 +214,16 @@ class DjangoAdvisoryLock:
 
     @property
     def held(self) -> bool:
+        """Whether this object holds the lock (as far as the library knows; see
+        ``ensure_held()`` to ask the server)."""
         return self._lock is not None and self._lock.held
 
     def acquire(self) -> bool:
-        """Take the lock; False when it stayed busy for the whole timeout."""
+        """Take the lock; False when it stayed busy for the whole timeout.
+
+        :raises LockDeadlock: when the server detected a deadlock.
+        :raises UnsupportedFeature: when the database cannot honour the options.
+        """
         lock = self._core()
         atomic = None
         wrapper = connections[self.using]
@@ -180,7 +237,16 @@ class DjangoAdvisoryLock:
             atomic.__enter__()
         started = time.monotonic()
         try:
-            granted = lock.acquire()
+            try:
+                granted = lock.acquire()
+            except DatabaseError as error:
+                if self._connection_gone(error):
+                    raise AdvisoryLockError(
+                        f"could not take advisory lock {lock.name!r}: the connection to "
+                        f"database {self.using!r} failed ({error}); Django opens a new one "
+                        "at its next use"
+                    ) from error
+                raise
         except BaseException as error:
             if atomic is not None:
                 atomic.__exit__(type(error), error, error.__traceback__)
@@ -214,11 +280,18 @@ class DjangoAdvisoryLock:
         """
         try:
             self._core().ensure_held()
-        except LockLost:
-            if self._holdings:
-                locks, holding = self._holdings[-1]
-                locks.released(holding, "lost")
-            raise
+        except LockLost as error:
+            if not self._holdings:
+                raise
+            locks, holding = self._holdings[-1]
+            locks.released(holding, "lost")
+            raise self._lost(locks, holding, error) from error.__cause__
+        except DatabaseError as error:
+            if not self._holdings or not self._connection_gone(error):
+                raise
+            locks, holding = self._holdings[-1]
+            locks.released(holding, "lost")
+            raise self._lost_connection(error) from error
 
     def _release(
         self,
@@ -235,9 +308,14 @@ class DjangoAdvisoryLock:
         try:
             try:
                 lock.release()
-            except LockLost:
+            except LockLost as error:
                 locks.released(holding, "lost")
-                raise
+                raise self._lost(locks, holding, error) from error.__cause__
+            except DatabaseError as error:
+                if not self._connection_gone(error):
+                    raise
+                locks.released(holding, "lost")
+                raise self._lost_connection(error) from error
             if not holding.active and holding not in locks.pending_release:
                 locks.released(holding, "unlock")
         except BaseException as error:
@@ -249,6 +327,36 @@ class DjangoAdvisoryLock:
             # this lock opened; its commit hook then reports the release.
             atomic.__exit__(exc_type, exc, traceback)
             self._finish_pending()
+
+    def _lost(self, locks: DjangoConnectionLocks, holding: Holding, error: LockLost) -> LockLost:
+        """``error``, or a LockLost that says why this app let go of the lock."""
+        reason = locks.end_reason(holding)
+        if reason is None:
+            return error
+        return LockLost(f"advisory lock {self.name!r} was released: {reason}", name=self.name)
+
+    def _lost_connection(self, error: DatabaseError) -> LockLost:
+        return LockLost(
+            f"advisory lock {self.name!r} was lost: the connection to database "
+            f"{self.using!r} failed ({error})",
+            name=self.name,
+        )
+
+    def _connection_gone(self, error: DatabaseError) -> bool:
+        """Whether ``error`` means this thread's connection to the database is gone, by
+        the backend's error codes or else by Django's own health check; Django then
+        opens a new connection at its next use (as it would after any query failed so)."""
+        wrapper = connections[self.using]
+        gone = self._site.backend.is_connection_failure(error) or (
+            # Only outside a transaction: inside one, a failed statement fails the health
+            # check's query too, although the connection is fine.
+            wrapper.connection is not None
+            and wrapper.get_autocommit()
+            and not connection_usable(wrapper)
+        )
+        if gone and wrapper.connection is not None:
+            wrapper.close()
+        return gone
 
     def _finish_pending(self) -> None:
         wrapper = connections[self.using]
@@ -283,10 +391,87 @@ class DjangoAdvisoryLock:
         """[acquire][advisory_locks_django.DjangoAdvisoryLock.acquire] from async code.
 
         It runs in the thread Django gives sync work (``thread_sensitive=True``).
+        Cancelling the awaiting task (``asyncio.wait_for``, ``asyncio.timeout``, a client
+        that went away) ends the wait at once: the server is asked to cancel it, and a
+        grant that raced the cancel is given back, so an abandoned wait never holds the
+        lock afterwards.
         """
         self._refuse_async_transaction()
-        granted: bool = await sync_to_async(self.acquire, thread_sensitive=True)()
+        wait = AbandonableWait()
+        acquiring = asyncio.ensure_future(
+            sync_to_async(self._acquire_unless_abandoned, thread_sensitive=True)(wait)
+        )
+        try:
+            return await asyncio.shield(acquiring)
+        except asyncio.CancelledError:
+            await self._abandon(wait, acquiring)
+            raise
+
+    def _acquire_unless_abandoned(self, wait: AbandonableWait) -> bool:
+        """``acquire()`` in the worker thread, bracketed so the awaiting task can abandon
+        it (see ``AbandonableWait``)."""
+        wrapper = connections[self.using]
+        own_connection(wrapper)
+        backend = self._site.backend
+        state = connection_locks(wrapper, backend).driver_state
+        opener = functools.partial(open_other_connection, self.using)
+        if not wait.begin(backend, state, wrapper.connection, opener):
+            return False
+        try:
+            granted = self.acquire()
+        except BaseException as error:
+            if not wait.end():
+                raise
+            if not isinstance(error, AdvisoryLockError):
+                # An abandoned wait that ended some other way than a refusal: make sure
+                # nothing it may have been granted lives on.
+                _close_quietly(self.using)
+            return False
+        if wait.end() and granted:
+            self._give_back()
+            return False
         return granted
+
+    async def _abandon(self, wait: AbandonableWait, acquiring: asyncio.Future[bool]) -> None:
+        phase = wait.abandon()
+        if phase == AbandonableWait.PENDING:
+            # The worker had not started; it will see the wait abandoned and not acquire.
+            acquiring.add_done_callback(_retrieve)
+            return
+        if phase == AbandonableWait.WAITING:
+            interrupting = asyncio.get_running_loop().run_in_executor(None, wait.interrupt)
+            try:
+                await _finish(interrupting)
+            except Exception:
+                logger.warning(
+                    "could not cancel the wait for advisory lock %r; it is given back when granted",
+                    self.name,
+                    exc_info=True,
+                )
+                acquiring.add_done_callback(_retrieve)
+                return
+        # Interrupted, the worker ends within a round trip (and gives back a grant that
+        # raced the cancel); finished, its grant is ours to give back.
+        try:
+            granted = await _finish(acquiring)
+        except Exception:
+            return
+        if granted and phase == AbandonableWait.FINISHED:
+            await _finish(
+                asyncio.ensure_future(sync_to_async(self._give_back, thread_sensitive=True)())
+            )
+
+    def _give_back(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            logger.warning(
+                "giving back advisory lock %r after its wait was abandoned failed; closing "
+                "the connection",
+                self.name,
+                exc_info=True,
+            )
+            _close_quietly(self.using)
 
     async def arelease(self) -> None:
         """[release][advisory_locks_django.DjangoAdvisoryLock.release] from async code."""
@@ -457,6 +642,29 @@ def _name_factory(
         return name.format_map(arguments)
 
     return format_name
+
+
+async def _finish(future: asyncio.Future[T]) -> T:
+    """Await ``future`` to its end even if this task is cancelled again meanwhile."""
+    while True:
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.done():
+                raise
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    # Nobody awaits an abandoned acquire any more; consume its outcome quietly.
+    if not future.cancelled():
+        future.exception()
+
+
+def _close_quietly(using: str) -> None:
+    try:
+        connections[using].close()
+    except DatabaseError:
+        logger.warning("closing the connection to %r failed", using, exc_info=True)
 
 
 def _send_released(

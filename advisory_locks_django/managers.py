@@ -37,7 +37,17 @@ class AdvisoryLockQuerySetMixin:
     """Adds ``with_advisory_lock()`` to a QuerySet class of your own."""
 
     def with_advisory_lock(self, name: NameSpec, **options: Any) -> DjangoAdvisoryLock:
-        """[advisory_lock][advisory_locks_django.advisory_lock] on this queryset's database."""
+        """[advisory_lock][advisory_locks_django.advisory_lock] on this queryset's database.
+
+        The database is the one Django would write this queryset's model to: the alias
+        given to ``.using()``, else the routers' ``db_for_write``.
+
+        :param name: the lock name, as for ``advisory_lock()``.
+        :param options: ``timeout``, ``shared``, ``transaction``, ``skip_if_locked``,
+            ``key_scheme`` and ``key_prefix``, as for ``advisory_lock()``; not ``using``.
+        :returns: a [DjangoAdvisoryLock][advisory_locks_django.DjangoAdvisoryLock].
+        :raises TypeError: when ``using`` is passed (call ``.using(alias)`` first).
+        """
         return _lock_for(self, name, options)
 
 
@@ -45,7 +55,17 @@ class AdvisoryLockManagerMixin:
     """Adds ``with_advisory_lock()`` to a Manager class of your own."""
 
     def with_advisory_lock(self, name: NameSpec, **options: Any) -> DjangoAdvisoryLock:
-        """[advisory_lock][advisory_locks_django.advisory_lock] on this manager's database."""
+        """[advisory_lock][advisory_locks_django.advisory_lock] on this manager's database.
+
+        The database is the one Django would write this manager's model to: the alias
+        given to ``.db_manager()`` or ``.using()``, else the routers' ``db_for_write``.
+
+        :param name: the lock name, as for ``advisory_lock()``.
+        :param options: ``timeout``, ``shared``, ``transaction``, ``skip_if_locked``,
+            ``key_scheme`` and ``key_prefix``, as for ``advisory_lock()``; not ``using``.
+        :returns: a [DjangoAdvisoryLock][advisory_locks_django.DjangoAdvisoryLock].
+        :raises TypeError: when ``using`` is passed (call ``.using(alias)`` first).
+        """
         return _lock_for(self, name, options)
 
 

@@ -27,6 +27,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 from advisory_locks.sqlalchemy import AdvisoryLockSession
 from shop.payments import authorize_payment, quote
+from shopsite.database_url import sqlalchemy_url
 
 __all__ = ["CheckoutService", "Order", "OutOfStock", "Product", "shop_engine"]
 
@@ -69,10 +70,13 @@ class Order(Base):
 
 
 def shop_engine(url: str, **options: Any) -> Engine:
-    """An engine for the shop's database, with the SQLite settings the Django side uses."""
+    """An engine for the shop's database, with the SQLite settings the Django side uses.
+
+    A plain ``mysql://`` or ``postgresql://`` URL gets the driver that is installed.
+    """
     if url.startswith("sqlite"):
         options.setdefault("connect_args", {}).setdefault("timeout", SQLITE_BUSY_TIMEOUT)
-    engine = create_engine(url, **options)
+    engine = create_engine(sqlalchemy_url(url), **options)
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _use_wal)
     return engine

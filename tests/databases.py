@@ -41,6 +41,7 @@ class ServerKind:
     local_default: str
     connect: Callable[[URL], Any]  # opens a plain DB-API connection, raising if it cannot
     new_container: Callable[[], Any]  # an unstarted testcontainers container
+    start_command: str  # how to start the local default server on a development machine
 
 
 @dataclass(frozen=True)
@@ -50,18 +51,35 @@ class Discovery:
     required_by: str | None  # the setting that makes this kind required, if any
     failures: tuple[str, ...]  # one line per candidate that did not answer
 
+    @property
+    def skip_reason(self) -> str:
+        """The one-line reason each test that needs this missing server is skipped with.
+
+        Short on purpose: it is printed once per skipped test (or file); what was tried
+        and how to start the server is printed once per run (``notice``).
+        """
+        return f"no {self.kind.name} server answered (see 'database servers' in this run's summary)"
+
+    @property
+    def notice(self) -> str:
+        """What was tried and the command that starts the local server, said once a run."""
+        tried = "\n".join(f"  - {failure}" for failure in self.failures)
+        return (
+            f"no {self.kind.name} server answered:\n{tried}\n"
+            f"  start the local one with: {self.kind.start_command}\n"
+            f"  or point {self.kind.environment_variable} at one (a SQLAlchemy URL)"
+        )
+
     def require(self) -> URL:
         """Return the server's URL, or fail (if required) or skip the calling test."""
         if self.url is not None:
             return self.url
-        tried = "\n".join(f"  - {failure}" for failure in self.failures)
         if self.required_by is not None:
             pytest.fail(
-                f"{self.kind.name} is required ({self.required_by}) but no server answered:\n"
-                f"{tried}",
+                f"{self.kind.name} is required ({self.required_by}) but {self.notice}",
                 pytrace=False,
             )
-        pytest.skip(f"no {self.kind.name} server answered:\n{tried}")
+        pytest.skip(self.skip_reason)
 
 
 MYSQLCLIENT_REQUIRE_VARIABLE = "ADVISORY_LOCKS_REQUIRE_MYSQLCLIENT"
@@ -131,6 +149,7 @@ POSTGRESQL = ServerKind(
     local_default="postgresql+psycopg://postgres@127.0.0.1:5432/test",
     connect=psycopg_connect,
     new_container=_postgres_container,
+    start_command="pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
 )
 MYSQL = ServerKind(
     name="mysql",
@@ -139,6 +158,7 @@ MYSQL = ServerKind(
     local_default="mysql+pymysql://root@127.0.0.1:3306/test",
     connect=pymysql_connect,
     new_container=_mysql_container,
+    start_command="start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd",
 )
 KINDS = {kind.name: kind for kind in (POSTGRESQL, MYSQL)}
 

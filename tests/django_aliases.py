@@ -36,6 +36,9 @@ def aim_django_alias(alias: str, url: URL, sqlite_file: Path | None = None) -> d
             USER=url.username or "",
             PASSWORD=url.password or "",
         )
-        if alias != "default":
+        test_name = (database.get("TEST") or {}).get("NAME")
+        if alias != "default" and not (test_name and database["NAME"] == test_name):
+            # Not once pytest-django has made this alias's test database: its teardown
+            # drops whatever NAME says then, which would be the server's own database.
             database["NAME"] = url.database
     return {setting: database[setting] for setting in CONNECTION_SETTINGS if setting in database}

@@ -5,7 +5,9 @@ The databases point at the servers tests/databases.py finds; the
 addresses before any test database is created. Test database names are unique per run, so
 concurrent runs against one server never drop each other's databases.
 
-"default" and "other" are PostgreSQL. "mysql" (MariaDB) and "sqlite" are declared for the
+"default" and "other" are PostgreSQL; "pooled" is "default"'s database through Django
+5.1+'s native connection pool, one connection large, so that a connection given back is
+the one the next borrower gets. "mysql" (MariaDB) and "sqlite" are declared for the
 tests that ask for them with ``django_db(databases=[...])``: pytest-django creates a test
 database only for aliases some collected test asks for, so they cost the other tests
 nothing.
@@ -43,6 +45,10 @@ def _database(test_name: str) -> dict[str, object]:
 
 
 SECRET_KEY = "advisory-locks-tests"
+# Tests that run real requests serve tests/django_app/urls.py from a WSGI server on the
+# loopback address (tests/django/real_requests.py).
+ROOT_URLCONF = "tests.django_app.urls"
+ALLOWED_HOSTS = ["127.0.0.1"]
 USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # The example project's `shop` app is tested here too (tests/example); manage.py would put
@@ -56,6 +62,11 @@ _sqlite_file = str(Path(tempfile.gettempdir()) / f"advisory_locks_{_run}.sqlite3
 DATABASES = {
     "default": _database("default"),
     "other": _database("other"),
+    "pooled": {
+        **_database("default"),
+        "OPTIONS": {"pool": {"min_size": 1, "max_size": 1, "timeout": 10}},
+        "TEST": {"MIRROR": "default"},
+    },
     "mysql": {
         "ENGINE": "django.db.backends.mysql",
         "HOST": _mysql_url.host or "",

@@ -6,10 +6,12 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import types
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -19,9 +21,11 @@ import pytest
 from psycopg.rows import TupleRow
 from sqlalchemy.engine import URL
 
-from advisory_locks.cli import main
+from advisory_locks._dialects.base import LockedRow
+from advisory_locks._monitoring import Identity, identify, rails_comment_name
+from advisory_locks.cli import installed_mysql_driver, main
 from advisory_locks.keys import derive_key, lock_key
-from tests.databases import psycopg_connect
+from tests.databases import psycopg_connect, pymysql_connect
 
 OBSERVE_DEADLINE_SECONDS = 10.0
 
@@ -566,3 +570,209 @@ def test_list_through_a_subprocess_fails_cleanly_for_an_unreachable_server() -> 
     assert completed.returncode == 2
     assert "Traceback" not in completed.stderr
     assert "cannot list locks" in completed.stderr
+
+
+# --- list on MySQL/MariaDB: whichever driver is installed ------------------------------------
+
+
+def list_in_subprocess(url: str, *, block: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """``advisory-locks list --url URL --json`` where the modules in ``block`` are missing."""
+    script = (
+        "import sys\n"
+        + "".join(f"sys.modules[{module!r}] = None\n" for module in block)
+        + "from advisory_locks.cli import main\n"
+        + f"sys.exit(main(['list', '--url', {url!r}, '--json']))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+
+
+def assert_listed_or_told_how_to_expose_locks(
+    completed: subprocess.CompletedProcess[str], name: str
+) -> None:
+    # The server answered through the driver; MariaDB without performance_schema (or the
+    # metadata_lock_info plugin) cannot list user locks, and the command says how to fix it.
+    if completed.returncode == 0:
+        assert name in [row["key"] for row in json.loads(completed.stdout)]
+    else:
+        assert completed.returncode == 2, completed.stderr
+        assert "metadata_lock_info" in completed.stderr
+
+
+@pytest.mark.parametrize("scheme", ["mysql", "mariadb"])
+def test_list_on_a_plain_mysql_url_uses_pymysql_where_mysqlclient_is_missing(
+    mysql_url: URL, scheme: str
+) -> None:
+    name = f"cli-test-{uuid.uuid4()}"
+    holder = pymysql_connect(mysql_url)
+    try:
+        with holder.cursor() as cursor:
+            cursor.execute("SELECT GET_LOCK(%s, 0)", (name,))
+        url = url_text(mysql_url.set(drivername=scheme))
+        completed = list_in_subprocess(url, block=("MySQLdb",))
+    finally:
+        holder.close()
+    assert "MySQLdb" not in completed.stderr
+    assert_listed_or_told_how_to_expose_locks(completed, name)
+
+
+def test_list_on_a_mysql_url_without_any_driver_says_what_to_install() -> None:
+    completed = list_in_subprocess("mysql://root@127.0.0.1:1/test", block=("MySQLdb", "pymysql"))
+    assert completed.returncode == 2
+    assert "pip install 'advisory-locks[mysql]'" in completed.stderr
+    assert "Traceback" not in completed.stderr
+
+
+def test_the_mysql_driver_is_mysqlclient_only_when_it_is_the_real_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pymysql
+
+    monkeypatch.setitem(sys.modules, "MySQLdb", pymysql)  # pymysql.install_as_MySQLdb()
+    assert installed_mysql_driver() == "pymysql"
+    monkeypatch.setitem(sys.modules, "MySQLdb", None)
+    assert installed_mysql_driver() == "pymysql"
+    monkeypatch.setitem(sys.modules, "MySQLdb", types.ModuleType("MySQLdb"))
+    assert installed_mysql_driver() == "mysqldb"
+
+
+# --- list: names, the Rails gem's comments and schemes ---------------------------------------
+
+
+def list_rows(url: URL, capsys: pytest.CaptureFixture[str], *options: str) -> list[dict[str, Any]]:
+    assert main(["list", "--url", url_text(url), "--json", *options]) == 0
+    rows: list[dict[str, Any]] = json.loads(capsys.readouterr().out)
+    return rows
+
+
+def row_for(rows: list[dict[str, Any]], key: object) -> dict[str, Any]:
+    (row,) = [row for row in rows if row["key"] == key]
+    return row
+
+
+def identity(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["name"], row["name_source"], row["scheme"], row["scheme_certain"])
+
+
+@pytest.mark.parametrize("scheme", ["sha256", "pglock", "rails", "hashtext"])
+def test_list_names_a_key_given_with_name_and_tells_its_scheme(
+    scheme: str, postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = f"cli-name-{uuid.uuid4()}"
+    key = lock_key(name, scheme=scheme)
+    holder = connect("cli-holder")
+    holder.execute(
+        f"SELECT pg_advisory_lock({', '.join(['%s'] * (2 if scheme == 'rails' else 1))})",
+        key if isinstance(key, tuple) else (key,),
+    )
+    rows = list_rows(postgres_url, capsys, "--name", name, "--name", "another-job")
+    expected_key = list(key) if isinstance(key, tuple) else key
+    assert identity(row_for(rows, expected_key)) == (name, "given", scheme, True)
+
+
+def test_list_hashes_given_names_with_the_prefix(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = f"cli-name-{uuid.uuid4()}"
+    key = lock_key(name, prefix="billing:")
+    connect("cli-holder").execute("SELECT pg_advisory_lock(%s)", (key,))
+    rows = list_rows(postgres_url, capsys, "--name", name, "--prefix", "billing:")
+    assert identity(row_for(rows, key))[:2] == (name, "given")
+
+
+def test_list_reads_names_from_a_file_and_shows_them_in_the_table(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    name = f"cli-file-{uuid.uuid4()}"
+    key = lock_key(name)
+    connect("cli-holder").execute("SELECT pg_advisory_lock(%s)", (key,))
+    names_file = tmp_path / "jobs.txt"
+    names_file.write_text(f"# cron jobs\n\nnightly-report\n  {name}  \n", encoding="utf-8")
+    assert main(["list", "--url", url_text(postgres_url), "--names-file", str(names_file)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:7] == ["PID", "STATUS", "MODE", "FOR", "KEY", "SCHEME", "NAME"]
+    # KEY, SCHEME and NAME are neighbours (FOR before them holds spaces: "≤ 1.0s").
+    assert any(re.search(rf" {key} +sha256 +'{name}' ", line) for line in lines)
+
+
+def test_list_with_an_unreadable_names_file_fails_with_status_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    missing = tmp_path / "missing.txt"
+    assert (
+        main(["list", "--url", "postgresql://x@127.0.0.1:1/x", "--names-file", str(missing)]) == 2
+    )
+    assert "cannot read --names-file" in capsys.readouterr().err
+
+
+def test_list_names_a_rails_gem_lock_from_its_query_comment(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = f"cli-rails-{uuid.uuid4()}"
+    first, prefix = lock_key(name, scheme="rails", prefix=7)  # type: ignore[misc]
+    # What the with_advisory_lock gem sends, comment and all; then the holder is idle.
+    connect("rails-worker").execute(
+        f"SELECT pg_try_advisory_lock({first},{prefix}) AS t0a1b2c3 /* {name} */"
+    )
+    rows = list_rows(postgres_url, capsys)
+    assert identity(row_for(rows, [first, prefix])) == (name, "query comment", "rails", True)
+
+
+def test_list_does_not_take_a_comment_about_another_key(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    held, later = (lock_key(f"cli-rails-{uuid.uuid4()}", scheme="rails") for _ in range(2))
+    worker = connect("rails-worker")
+    worker.execute(f"SELECT pg_try_advisory_lock({held[0]},0) AS t1 /* held-job */")  # type: ignore[index]
+    worker.execute(f"SELECT pg_try_advisory_lock({later[0]},0) AS t2 /* later-job */")  # type: ignore[index]
+    rows = list_rows(postgres_url, capsys)
+    assert row_for(rows, list(held))["name"] is None  # type: ignore[arg-type]
+    assert row_for(rows, list(later))["name"] == "later-job"  # type: ignore[arg-type]
+
+
+def test_list_guesses_a_scheme_from_the_shape_of_an_unnamed_key(
+    postgres_url: URL, connect: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rails_like = (unique_key() & 0x7FFFFFFF, 0)
+    small = (unique_key() & 0x7FFFFFFF) or 1
+    wide = unique_key() | (1 << 40)
+    holder = connect("cli-holder")
+    holder.execute("SELECT pg_advisory_lock(%s, %s)", rails_like)
+    holder.execute("SELECT pg_advisory_lock(%s)", (small,))
+    holder.execute("SELECT pg_advisory_lock(%s)", (wide,))
+    holder.execute("SELECT 1")  # no lock call left in pg_stat_activity.query
+    rows = list_rows(postgres_url, capsys)
+    assert identity(row_for(rows, list(rails_like))) == (None, None, "rails", False)
+    assert identity(row_for(rows, small)) == (None, None, "int4", False)
+    assert identity(row_for(rows, wide)) == (None, None, None, False)
+    assert main(["list", "--url", url_text(postgres_url)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(re.search(rf" {rails_like[0]},0 +rails\? +- ", line) for line in lines)
+    assert "SCHEME? is guessed from the key's shape" in lines[-1]
+
+
+def make_row(key: int | tuple[int, int] | str, query: str) -> LockedRow:
+    return LockedRow(1, key, "exclusive", True, None, 1.0, "app", None, "idle", query)
+
+
+@pytest.mark.parametrize(
+    ("query", "name"),
+    [
+        ("SELECT pg_try_advisory_lock(5,0) AS t1 /* job */", "job"),
+        ("select PG_TRY_ADVISORY_XACT_LOCK_SHARED( 5 , 0 ) as t1 /* a b */;", "a b"),
+        ("SELECT pg_advisory_unlock(5,0) AS t1 /* job */", None),
+        ("SELECT pg_try_advisory_lock(5,1) AS t1 /* job */", None),
+        ("SELECT pg_try_advisory_lock(5,0) AS t1", None),
+        ("SELECT pg_try_advisory_lock(5,0) AS t1 /* -- rewritten -- */", "-- rewritten --"),
+    ],
+)
+def test_the_rails_comment_names_only_the_lock_its_statement_takes(
+    query: str, name: str | None
+) -> None:
+    assert rails_comment_name(make_row((5, 0), query)) == name
+
+
+def test_a_comment_name_that_does_not_hash_to_the_key_has_no_certain_scheme() -> None:
+    row = make_row((5, 0), "SELECT pg_try_advisory_lock(5,0) AS t1 /* not-five */")
+    assert identify(row) == Identity("not-five", "rails", False, "query comment")

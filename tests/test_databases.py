@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -150,3 +153,36 @@ def test_pymysql_standing_in_for_mysqlclient_does_not_count(
     environ = {MYSQLCLIENT_REQUIRE_VARIABLE: "1", REQUIRE_VARIABLE: "mysql"}
     with pytest.raises(pytest.fail.Exception, match="mysqlclient is required"):
         import_mysqlclient(environ)
+
+
+def test_a_run_without_servers_explains_them_once_and_skips_with_a_short_reason() -> None:
+    environ = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in (REQUIRE_VARIABLE, "CI", "PYTEST_ADDOPTS")
+    }
+    environ[POSTGRESQL.environment_variable] = UNREACHABLE_POSTGRES
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            f"{__file__}::test_found_postgres_server_answers_select_1",
+            f"{__file__}::test_admin_connection_sees_another_sessions_advisory_lock",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environ,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    output = completed.stdout
+    assert completed.returncode == 0, output + completed.stderr
+    assert output.count("Connection refused") == 1
+    assert output.count(POSTGRESQL.start_command) == 1
+    assert (
+        "SKIPPED [2] tests/test_databases.py: no postgresql server answered (see 'database "
+        "servers' in this run's summary)" in output
+    )

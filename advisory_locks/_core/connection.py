@@ -16,19 +16,27 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from advisory_locks._core.executors import protocol_session_id
-from advisory_locks._core.steps import Steps, on
+from advisory_locks._core.steps import Executor, Statement, Steps, on
+from advisory_locks._dialects.base import WAIT_CANCELLED_STATE
 from advisory_locks.errors import UnsupportedFeature
 from advisory_locks.keys import LockKey, LockName
 
 if TYPE_CHECKING:
     from advisory_locks._dialects.base import Backend
 
-__all__ = ["ConnectionState", "Holding", "PoolerMode", "check_server", "finish_pending_releases"]
+__all__ = [
+    "AbandonableWait",
+    "ConnectionState",
+    "Holding",
+    "PoolerMode",
+    "check_server",
+    "finish_pending_releases",
+]
 
 HoldingKey = tuple[Hashable, bool, bool]
 
@@ -252,3 +260,107 @@ def release_session_locks(state: ConnectionState, executor: object) -> Steps[lis
             executor, backend.release(state.driver_state, holding.key, shared=holding.shared)
         )
     return holdings
+
+
+# Opens another connection to the same server, for statements the waiting one cannot run;
+# returns its executor and how to close it.
+OpenOtherConnection = Callable[[], "tuple[Executor, Callable[[], None]]"]
+
+
+class AbandonableWait:
+    """One acquire, run by a worker thread, that an asyncio task may abandon midway.
+
+    Bindings whose locks block a thread (Django's ``sync_to_async``) use it so that a
+    cancelled task neither waits for the lock nor is granted it afterwards. The worker
+    calls ``begin()`` before the acquire and ``end()`` after it; the task calls
+    ``abandon()``, and ``interrupt()`` (blocking, so from a helper thread) when the wait
+    had begun. One mutex orders them, which is what makes it exact:
+
+    - abandoned before ``begin()``: the acquire never runs;
+    - abandoned between the two: the server is asked to cancel the wait while the worker
+      is still in it (it cannot run another statement before the cancel request has
+      reached the server), and ``end()`` tells the worker to give back a grant that won
+      the race;
+    - abandoned after ``end()``: the worker's outcome stands, and the task owns it.
+    """
+
+    PENDING: Final = "pending"
+    WAITING: Final = "waiting"
+    FINISHED: Final = "finished"
+
+    __slots__ = ("_abandoned", "_cancelled", "_mutex", "_phase", "_target")
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._phase = self.PENDING
+        self._abandoned = False
+        self._cancelled = threading.Event()
+        self._target: tuple[Backend, dict[str, Any], Any, OpenOtherConnection] | None = None
+
+    def begin(
+        self,
+        backend: Backend,
+        state: dict[str, Any],
+        driver_connection: Any,
+        open_other: OpenOtherConnection,
+    ) -> bool:
+        """The worker is about to wait on ``driver_connection``; False if abandoned already."""
+        with self._mutex:
+            if self._abandoned:
+                return False
+            self._target = (backend, state, driver_connection, open_other)
+            state[WAIT_CANCELLED_STATE] = self._cancelled
+            self._phase = self.WAITING
+            return True
+
+    def end(self) -> bool:
+        """The worker's acquire has returned or raised; True if it was abandoned meanwhile
+        (then the worker must give back what it was granted)."""
+        with self._mutex:
+            self._phase = self.FINISHED
+            if self._target is not None:
+                state = self._target[1]
+                if state.get(WAIT_CANCELLED_STATE) is self._cancelled:
+                    del state[WAIT_CANCELLED_STATE]
+            return self._abandoned
+
+    def abandon(self) -> str:
+        """The task gives up; returns the phase the worker was in (PENDING, WAITING or
+        FINISHED). After WAITING, call ``interrupt()``."""
+        with self._mutex:
+            if self._phase != self.FINISHED:
+                self._abandoned = True
+            return self._phase
+
+    def interrupt(self) -> None:
+        """Ask the server (or the poll) to end the wait, if the worker is still in it."""
+        with self._mutex:
+            if self._phase != self.WAITING or self._target is None:
+                return
+            backend, state, driver_connection, open_other = self._target
+            self._cancelled.set()
+            _run_elsewhere(backend.cancel_wait(state, driver_connection), open_other)
+
+
+def _run_elsewhere(steps: Steps[None], open_other: OpenOtherConnection) -> None:
+    """Run a backend's statement steps on another connection, opened only if one is yielded."""
+    opened: tuple[Executor, Callable[[], None]] | None = None
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        while True:
+            try:
+                statement = steps.send(result) if error is None else steps.throw(error)
+            except StopIteration:
+                return
+            assert isinstance(statement, Statement)
+            if opened is None:
+                opened = open_other()
+            result = error = None
+            try:
+                result = opened[0].execute(statement)
+            except Exception as raised:
+                error = raised
+    finally:
+        if opened is not None:
+            opened[1]()

@@ -8,6 +8,8 @@ their own, next to their binding.
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 from typing import Any, Final
 
@@ -16,6 +18,7 @@ from advisory_locks._dialects.base import SERVER_VERSION_STATE
 
 __all__ = [
     "DBAPIExecutor",
+    "detach_inherited_connection",
     "driver_autocommit",
     "driver_in_transaction",
     "protocol_session_id",
@@ -177,3 +180,37 @@ def driver_in_transaction(driver_connection: Any) -> bool | None:
 
 def _is_sqlite3(dbapi_connection: Any) -> bool:
     return type(dbapi_connection).__module__ in ("sqlite3", "_sqlite3")
+
+
+def detach_inherited_connection(driver_connection: Any) -> None:
+    """In a forked child, cut a connection inherited from the parent off the server.
+
+    The child's copy shares the parent's socket: closing it sends the protocol's goodbye
+    (PostgreSQL's Terminate, MySQL's COM_QUIT), the server ends the PARENT's session and
+    frees the parent's locks. The socket's descriptor is pointed at a dead socket instead,
+    so whatever the child's copy does next (close, a query) fails or goes nowhere, and the
+    parent's session is untouched. A connection without a socket (sqlite3) is left alone.
+    """
+    descriptor = _socket_descriptor(driver_connection)
+    if descriptor is None:
+        return
+    dead, peer = socket.socketpair()
+    try:
+        os.dup2(dead.fileno(), descriptor)
+    finally:
+        dead.close()
+        peer.close()
+
+
+def _socket_descriptor(driver_connection: Any) -> int | None:
+    fileno = getattr(driver_connection, "fileno", None)  # psycopg 3, psycopg2
+    if not callable(fileno):
+        # PyMySQL keeps its socket object in _sock (private, 1.0 to 1.1 checked).
+        fileno = getattr(getattr(driver_connection, "_sock", None), "fileno", None)
+    if not callable(fileno):
+        return None
+    try:
+        descriptor = fileno()
+    except Exception:  # closed already: nothing left to protect
+        return None
+    return descriptor if isinstance(descriptor, int) and descriptor >= 0 else None

@@ -22,6 +22,10 @@ T = TypeVar("T")
 # Key in a connection's state: the server version string, where the driver learned it at
 # connect (no round trip needed to tell MariaDB from MySQL).
 SERVER_VERSION_STATE: Final = "server_version"
+# Key in a connection's state: a threading.Event that a binding able to abandon waits puts
+# there for the length of one acquire (see ``AbandonableWait``). ``cancel_wait`` sets it;
+# a backend whose wait runs in this process (SQLite's file lock) polls it.
+WAIT_CANCELLED_STATE: Final = "wait_cancelled"
 StatementSteps: TypeAlias = Generator[Statement, Any, T]
 
 
@@ -92,6 +96,16 @@ class Backend(Protocol):
 
     def list_locks(self, state: dict[str, Any]) -> StatementSteps[list[LockedRow]]:
         """Every advisory lock held or awaited in the connection's database."""
+
+    def cancel_wait(self, state: dict[str, Any], driver_connection: Any) -> StatementSteps[None]:
+        """Interrupt, from another thread, the lock wait ``driver_connection`` is in.
+
+        The interrupted ``acquire`` raises ``LockTimeout`` (or returns False), and gives
+        back a grant the server made in the same instant. Where the driver can interrupt
+        the statement itself (PostgreSQL's cancel request) or the wait runs in this process
+        (SQLite), nothing is yielded; otherwise the statements yielded are for ANOTHER
+        connection to the same server, the waiting one being busy (MySQL's KILL QUERY).
+        """
 
     def is_connection_failure(self, error: BaseException) -> bool:
         """Whether ``error`` means the connection (and so any lock on it) is gone."""

@@ -19,11 +19,19 @@ from collections.abc import Hashable
 from typing import Any, Final
 
 from advisory_locks._core.contract import Timeout
-from advisory_locks._core.steps import ROWS, VALUE, Statement
-from advisory_locks._dialects.base import SERVER_VERSION_STATE, LockedRow, StatementSteps
+from advisory_locks._core.executors import protocol_session_id
+from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
+from advisory_locks._dialects.base import (
+    SERVER_VERSION_STATE,
+    WAIT_CANCELLED_STATE,
+    LockedRow,
+    StatementSteps,
+)
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockDeadlock,
+    LockTimeout,
+    UnsupportedDatabase,
     UnsupportedFeature,
 )
 from advisory_locks.keys import LockKey
@@ -182,6 +190,11 @@ class MySQLBackend:
             raise
         if granted is None:
             # NULL: the wait ended in an error the server did not raise (killed query).
+            cancelled = state.get(WAIT_CANCELLED_STATE)
+            if cancelled is not None and cancelled.is_set():
+                raise LockTimeout(
+                    f"waiting for named lock {key.name!r} was canceled", name=key.name
+                )
             raise AdvisoryLockError(
                 f"GET_LOCK for {key.name!r} returned NULL: the wait was interrupted"
             )
@@ -218,6 +231,19 @@ class MySQLBackend:
             raise UnsupportedFeature(NO_LOCK_SOURCE)
         rows = yield Statement(ROWS, sql)
         return [_locked_row(row) for row in rows]
+
+    def cancel_wait(self, state: dict[str, Any], driver_connection: Any) -> StatementSteps[None]:
+        # MySQL has no cancel request in its protocol: another session kills the waiting
+        # statement (GET_LOCK then returns NULL). KILL QUERY reaching a session that has
+        # already finished the statement does nothing to its next one (MariaDB 10.11).
+        connection_id = protocol_session_id(driver_connection)
+        if connection_id is None:
+            raise UnsupportedDatabase(
+                f"cannot tell which server session {type(driver_connection).__name__} "
+                "waits in, so its wait cannot be cancelled"
+            )
+        # The id is the server's integer, never caller text; KILL takes no parameters.
+        yield Statement(SCRIPT, f"KILL QUERY {int(connection_id)}")
 
     def is_connection_failure(self, error: BaseException) -> bool:
         if error_code(error) in CONNECTION_GONE:

@@ -6,6 +6,7 @@ versions) and sent as integer literals or parameters; lock names never reach the
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Hashable
@@ -13,6 +14,7 @@ from functools import cache
 from typing import Any, Final
 
 from advisory_locks._core.contract import Timeout
+from advisory_locks._core.executors import protocol_session_id
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
 from advisory_locks._dialects.base import LockedRow, StatementSteps
 from advisory_locks.errors import (
@@ -218,6 +220,26 @@ class PostgresBackend:
                 )
             )
         return rows
+
+    def cancel_wait(self, state: dict[str, Any], driver_connection: Any) -> StatementSteps[None]:
+        # The protocol's cancel request (a separate short connection libpq opens with the
+        # session's secret key): it reaches the right backend through a session pooler
+        # too. The wait fails with 57014, which acquire() turns into LockTimeout after
+        # giving back a grant made in the same instant.
+        cancel = getattr(driver_connection, "cancel_safe", None)  # psycopg >= 3.2
+        if not callable(cancel) or inspect.iscoroutinefunction(cancel):
+            cancel = getattr(driver_connection, "cancel", None)  # psycopg2, older psycopg
+        if callable(cancel) and not inspect.iscoroutinefunction(cancel):
+            cancel()
+            return
+        # Drivers without a blocking cancel call: ask the server from another connection.
+        backend_pid = protocol_session_id(driver_connection)
+        if backend_pid is None:
+            raise UnsupportedDatabase(
+                f"cannot tell which server session {type(driver_connection).__name__} "
+                "waits in, so its wait cannot be cancelled"
+            )
+        yield Statement(VALUE, "SELECT pg_catalog.pg_cancel_backend(%s)", (backend_pid,))
 
     def is_connection_failure(self, error: BaseException) -> bool:
         code = sqlstate_of(error)

@@ -14,7 +14,9 @@ the same name in both modes (two file locks of one process would wait for each o
 
 Waiting: ``timeout=None`` blocks in the operating system and wakes as soon as the file
 is unlocked. No operating system offers a file lock with a time limit, so ``timeout=t``
-polls a non-blocking attempt, at most every 10 ms, until ``t`` has passed.
+polls a non-blocking attempt, at most every 10 ms, until ``t`` has passed. A wait that a
+binding may abandon (``state[WAIT_CANCELLED_STATE]``, asyncio cancellation) polls too,
+whatever the timeout, since a blocked ``flock`` cannot be interrupted from another thread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import sys
+import threading
 import time
 from collections.abc import Hashable
 from pathlib import Path
@@ -31,8 +34,8 @@ import portalocker
 
 from advisory_locks._core.contract import Timeout
 from advisory_locks._core.steps import ROWS, VALUE, Statement
-from advisory_locks._dialects.base import LockedRow, StatementSteps
-from advisory_locks.errors import UnsupportedDatabase, UnsupportedFeature
+from advisory_locks._dialects.base import WAIT_CANCELLED_STATE, LockedRow, StatementSteps
+from advisory_locks.errors import LockTimeout, UnsupportedDatabase, UnsupportedFeature
 from advisory_locks.keys import LockKey
 
 __all__ = ["SQLiteBackend", "lock_file_path"]
@@ -88,11 +91,15 @@ class SQLiteBackend:
             )
         directory = yield from _lock_directory(state)
         handle = open(directory / _file_name(key), "a+b")  # noqa: SIM115 - kept open while held
+        cancelled: threading.Event | None = state.get(WAIT_CANCELLED_STATE)
         try:
-            granted = _lock(handle, shared=shared, timeout=timeout)
+            granted = _lock(handle, shared=shared, timeout=timeout, cancelled=cancelled)
         except BaseException:
             handle.close()
             raise
+        if granted is None:
+            handle.close()
+            raise LockTimeout(f"waiting for lock {key.name!r} was canceled", name=key.name)
         if not granted:
             handle.close()
             return False
@@ -136,6 +143,13 @@ class SQLiteBackend:
         files: dict[object, IO[bytes]] = state.pop(FILES_STATE, {})
         for handle in files.values():
             handle.close()
+
+    def cancel_wait(self, state: dict[str, Any], driver_connection: Any) -> StatementSteps[None]:
+        # The wait is this process polling its lock file: the flag stops the poll.
+        cancelled: threading.Event | None = state.get(WAIT_CANCELLED_STATE)
+        if cancelled is not None:
+            cancelled.set()
+        yield from ()
 
     def inspect_server(self, state: dict[str, Any]) -> StatementSteps[int]:
         # No server: the locks belong to this process.
@@ -193,7 +207,9 @@ def _main_database_file() -> StatementSteps[str]:
                 raise UnsupportedFeature(
                     "advisory locks on SQLite are file locks next to the database file, and "
                     "an in-memory or temporary database has none: use a database file, or "
-                    "a threading.Lock if one process is all that needs excluding"
+                    "a threading.Lock if one process is all that needs excluding (Django's "
+                    "test runner makes SQLite test databases in memory unless "
+                    'DATABASES[alias]["TEST"]["NAME"] names a file)'
                 )
             return str(file)
     raise UnsupportedDatabase("SQLite reported no main database for this connection")
@@ -217,21 +233,29 @@ _LOCKER: Final[Any] = (
 )
 
 
-def _lock(handle: IO[bytes], *, shared: bool, timeout: Timeout) -> bool:
+def _lock(
+    handle: IO[bytes], *, shared: bool, timeout: Timeout, cancelled: threading.Event | None
+) -> bool | None:
+    """True when granted, False when busy for ``timeout``, None when ``cancelled``."""
     mode = portalocker.LockFlags.SHARED if shared else portalocker.LockFlags.EXCLUSIVE
-    if timeout is None:
+    if timeout is None and cancelled is None:
         _LOCKER.lock(handle, mode)  # the operating system does the waiting
         return True
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     pause = FIRST_POLL_SECONDS
     while True:
+        if cancelled is not None and cancelled.is_set():
+            return None
         try:
             _LOCKER.lock(handle, mode | portalocker.LockFlags.NON_BLOCKING)
         except portalocker.AlreadyLocked:
-            remaining = deadline - time.monotonic()
+            remaining = MAX_POLL_SECONDS if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            time.sleep(min(pause, remaining))
+            if cancelled is not None:
+                cancelled.wait(min(pause, remaining))
+            else:
+                time.sleep(min(pause, remaining))
             pause = min(pause * 2, MAX_POLL_SECONDS)
         else:
             return True

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from psycopg import sql
+from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.engine import URL
 
 from tests.databases import psycopg_connect, pymysql_connect
@@ -99,6 +100,48 @@ def test_checkout_race_json_shows_the_lock_selling_exactly_the_stock(
     for key in ("orders", "stock", "oversold"):
         assert isinstance(without_lock[key], int)
     assert without_lock["oversold"] == max(0, without_lock["orders"] - 3)
+    # The database is left as the run found it: empty.
+    assert "Dropped the tables this run created" in finished.stderr
+    assert tables_in(race_database_url) == []
+
+
+def tables_in(url: str) -> list[str]:
+    from shopsite.database_url import sqlalchemy_url
+
+    engine = create_engine(sqlalchemy_url(url))
+    try:
+        return sorted(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def test_checkout_race_keeps_the_tables_it_created_when_asked(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'shop.db'}"
+    finished = checkout_race(
+        "--json", "--buyers", "2", "--stock", "1", "--keep-tables", "--database-url", url
+    )
+    assert finished.returncode == 0, finished.stderr
+    assert "Kept the tables this run created" in finished.stderr
+    assert {"django_migrations", "shop_order", "shop_product"} <= set(tables_in(url))
+
+
+def test_checkout_race_leaves_tables_that_were_there_before_without_its_rows(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'shop.db'}"
+    first = checkout_race(
+        "--json", "--buyers", "2", "--stock", "1", "--keep-tables", "--database-url", url
+    )
+    assert first.returncode == 0, first.stderr
+    again = checkout_race("--json", "--buyers", "2", "--stock", "1", "--database-url", url)
+    assert again.returncode == 0, again.stderr
+    assert "they were there before this run" in again.stderr
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            assert connection.scalar(text("SELECT count(*) FROM shop_product")) == 0
+    finally:
+        engine.dispose()
 
 
 def test_checkout_race_prints_a_table_and_reports_progress_on_stderr(tmp_path: Path) -> None:

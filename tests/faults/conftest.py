@@ -19,8 +19,9 @@ from sqlalchemy.engine import URL, make_url
 # The contract suite's database x binding targets (a holder process, a waiter observed
 # on the server, SQLAlchemy and Django clients), reused for the faults that every
 # database and binding must survive.
-from tests.contract.conftest import target  # noqa: F401
+from tests.contract.conftest import DJANGO_ALIASES, target  # noqa: F401
 from tests.databases import pymysql_connect
+from tests.django_aliases import aim_django_alias
 from tests.faults.pgbouncer import PgBouncer, running_pgbouncer
 from tests.faults.servers import (
     FaultDatabase,
@@ -152,3 +153,16 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FaultDa
         yield FaultDatabase(
             "sqlite", url, sqlite_holder(file), frozenset({"transaction"}), sqlite_kill
         )
+
+
+@pytest.fixture
+def django_alias(database: FaultDatabase, django_db_blocker: Any) -> Iterator[str]:
+    """The Django alias of ``database`` (tests/django_settings.py), aimed at it."""
+    from django.db import connections
+
+    alias = DJANGO_ALIASES[database.name]
+    sqlite_file = Path(database.url.database or "") if database.name == "sqlite" else None
+    aim_django_alias(alias, database.url, sqlite_file)
+    with django_db_blocker.unblock():
+        yield alias
+        connections[alias].close()

@@ -9,9 +9,7 @@ transaction lock whose transaction ended inside the block.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -21,8 +19,6 @@ from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from advisory_locks import LockLost, LockUsageError, advisory_lock
-from tests.contract.conftest import DJANGO_ALIASES
-from tests.django_aliases import aim_django_alias
 from tests.faults.conftest import inject
 from tests.faults.servers import FaultDatabase, opened_connections
 from tests.helpers import backend_alive, holder_pids, open_bind, unique_name, wait_for
@@ -199,19 +195,6 @@ async def test_async_ensure_held_raises_lock_lost_after_the_backend_was_terminat
                 await lock.ensure_held()
     finally:
         await engine.dispose()
-
-
-@pytest.fixture
-def django_alias(database: FaultDatabase, django_db_blocker: Any) -> Iterator[str]:
-    """The Django alias of ``database`` (tests/django_settings.py), aimed at it."""
-    from django.db import connections
-
-    alias = DJANGO_ALIASES[database.name]
-    sqlite_file = Path(database.url.database or "") if database.name == "sqlite" else None
-    aim_django_alias(alias, database.url, sqlite_file)
-    with django_db_blocker.unblock():
-        yield alias
-        connections[alias].close()
 
 
 def test_django_lock_reports_its_killed_connection_at_ensure_held_and_release(

@@ -1,10 +1,11 @@
 """``manage.py advisory_locks list|key``: the ``advisory-locks`` command, on Django's databases.
 
 The listing and its table are the core CLI's (the backend's ``list_locks`` and
-``advisory_locks._monitoring``); this command adds the names this process can tell:
-those of locks it holds itself, and any ``--name`` given, hashed with the project's key
-scheme and prefix. ``key`` shows what the database behind ``--database`` sees: integer
-keys on PostgreSQL (and SQLite, whose lock files are named by them), the ``GET_LOCK``
+``advisory_locks._monitoring``, which also reads the Rails gem's query comments and guesses
+a scheme per key); this command adds the names this process can tell: those of locks it
+holds itself, and any ``--name`` given, hashed with the project's key prefix and every key
+scheme (a match tells the scheme). ``key`` shows what the database behind ``--database``
+sees: integer keys on PostgreSQL (and SQLite, whose lock files are named by them), the ``GET_LOCK``
 name on MySQL and MariaDB.
 """
 
@@ -19,6 +20,9 @@ from django.db import DEFAULT_DB_ALIAS, connections
 
 from advisory_locks._core.steps import on, run_steps
 from advisory_locks._monitoring import (
+    Identity,
+    KnownNames,
+    identify,
     key_arguments,
     key_details,
     key_document,
@@ -29,7 +33,7 @@ from advisory_locks._monitoring import (
     mysql_lock_name,
 )
 from advisory_locks.errors import AdvisoryLockError
-from advisory_locks.keys import KEY_SCHEMES, LockKey, LockName, derive_key
+from advisory_locks.keys import KEY_SCHEMES, derive_key
 from advisory_locks_django._binding import DjangoExecutor, backend_for_alias, held_keys
 from advisory_locks_django.conf import lock_settings
 
@@ -110,32 +114,29 @@ class Command(BaseCommand):
         except AdvisoryLockError as error:
             # Worded as the core CLI words it, with the alias in place of the URL.
             raise CommandError(f"cannot list locks on database {alias!r}: {error}") from error
-        names = self._names(alias, options["name"])
+        known = self._known_names(alias, options["name"])
         if options["json"]:
-            documents = [
-                {**lock_document(row), "name": _json_name(names.get(row.key))} for row in rows
-            ]
+            documents = [lock_document(row, identify(row, known)) for row in rows]
             self.stdout.write(json.dumps(documents, ensure_ascii=False, indent=2))
             return
         # The table fits the terminal when stdout is one (OutputWrapper passes isatty on).
-        self.stdout.write(locks_table(rows, cast(TextIO, self.stdout)), ending="")
-        recognised = {row.key: names[row.key] for row in rows if row.key in names}
+        self.stdout.write(locks_table(rows, cast(TextIO, self.stdout), known), ending="")
+        recognised = {row.key: known.by_key[row.key] for row in rows if row.key in known}
         if recognised:
             self.stdout.write("\nNames of the keys above that this process can tell:")
-            for key, name in recognised.items():
+            for key, identity in recognised.items():
                 shown = ",".join(map(str, key)) if isinstance(key, tuple) else str(key)
-                self.stdout.write(f"  {shown}  {name!r}")
+                self.stdout.write(f"  {shown}  {_shown_name(identity)}")
 
-    def _names(self, alias: str, given: list[str]) -> dict[Any, LockName]:
+    def _known_names(self, alias: str, given: list[str]) -> KnownNames:
         """What each key in the listing stands for, where this process can tell."""
         configured = lock_settings()
-        keys = [
-            derive_key(name, scheme=configured.key_scheme, prefix=configured.key_prefix)
-            for name in given
-        ]
-        # MySQL lists a lock by its GET_LOCK name, PostgreSQL by its integer key(s).
-        listed_as = mysql_lock_name if _dialect(alias) == "mysql" else _integer_key
-        return {listed_as(key): key.name for key in [*keys, *held_keys(alias)]}
+        known = KnownNames(_dialect(alias))
+        # Locks this process holds: their keys are the very ones it sent.
+        known.add_held(held_keys(alias), source="held here")
+        for name in given:
+            known.add(name, prefix=configured.key_prefix, source="given")
+        return known
 
 
 def _dialect(alias: str) -> str:
@@ -144,9 +145,5 @@ def _dialect(alias: str) -> str:
     return backend_for_alias(alias).dialect_name
 
 
-def _integer_key(key: LockKey) -> int | tuple[int, int]:
-    return key.value
-
-
-def _json_name(name: LockName | None) -> object:
-    return list(name) if isinstance(name, tuple) else name
+def _shown_name(identity: Identity) -> str:
+    return repr(identity.name) if isinstance(identity.name, str) else str(identity.name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import textwrap
 import threading
@@ -23,6 +24,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.core.servers.basehttp import ThreadedWSGIServer, WSGIRequestHandler
 from django.db import connection
+from django.db.migrations.recorder import MigrationRecorder
 from django.test.utils import override_settings
 
 from shop.checkout import CHECKOUT_LOCK_TIMEOUT
@@ -46,9 +48,11 @@ then WITH it, and print what each run sold.
 {textwrap.fill(CONCURRENCY_MODEL, 80)}
 
 The database is DATABASE_URL / --database-url (PostgreSQL or MySQL/MariaDB), or
-shop.sqlite3 next to manage.py; it is migrated first. Progress goes to stderr; --json
-prints one JSON object, {{"without_lock": ..., "with_lock": ...}}, and nothing else, on
-stdout."""
+shop.sqlite3 next to manage.py; it is migrated first. In a database given by URL, the
+tables the run had to create (shop_*, django_migrations) are dropped at the end unless
+--keep-tables; tables that were there before are kept, without the race's rows.
+Progress goes to stderr; --json prints one JSON object, {{"without_lock": ...,
+"with_lock": ...}}, and nothing else, on stdout."""
 
 
 def positive(text: str) -> int:
@@ -131,6 +135,11 @@ class Command(BaseCommand):
         )
         parser.add_argument("--json", action="store_true", help="print one JSON object")
         parser.add_argument(
+            "--keep-tables",
+            action="store_true",
+            help="keep the tables this run created in a database given by URL",
+        )
+        parser.add_argument(
             "--payment-latency",
             type=seconds,
             default=None,
@@ -158,9 +167,30 @@ class Command(BaseCommand):
         if latency is None:
             latency = settings.SHOP_PAYMENT_LATENCY
         progress_stream = sys.stderr
+        tables_before = set(connection.introspection.table_names())
         call_command("migrate", verbosity=0, interactive=False)
+        created = sorted(set(connection.introspection.table_names()) - tables_before)
         remove_earlier_races()
         runs: dict[str, list[Round]] = {"without_lock": [], "with_lock": []}
+        try:
+            self._race(runs, buyers, stock, rounds, latency, progress_stream)
+        finally:
+            progress_stream.write(clean_up(created, keep=options["keep_tables"]) + "\n")
+        summary = {run: summarize(results, buyers, stock) for run, results in runs.items()}
+        if options["json"]:
+            self.stdout.write(json.dumps(summary))
+        else:
+            self.stdout.write(render(summary, runs))
+
+    def _race(
+        self,
+        runs: dict[str, list[Round]],
+        buyers: int,
+        stock: int,
+        rounds: int,
+        latency: float,
+        progress_stream: TextIO,
+    ) -> None:
         with (
             override_settings(ROOT_URLCONF="shop.race_urls", SHOP_PAYMENT_LATENCY=latency),
             serving() as base_url,
@@ -177,11 +207,27 @@ class Command(BaseCommand):
                     label = f"{run.replace('_', ' ')}, round {number}/{rounds}"
                     progress = Progress(progress_stream, label, buyers)
                     runs[run].append(race(f"{base_url}/{path}", buyers, stock, progress))
-        summary = {run: summarize(results, buyers, stock) for run, results in runs.items()}
-        if options["json"]:
-            self.stdout.write(json.dumps(summary))
-        else:
-            self.stdout.write(render(summary, runs))
+
+
+def clean_up(created: list[str], *, keep: bool) -> str:
+    """Leave the database as the run found it, as far as it can; say what it did."""
+    where = describe_database()
+    if not os.environ.get("DATABASE_URL"):
+        return f"The shop stays in {where} for the next run."
+    remove_earlier_races()
+    if not created:
+        return f"Left the shop's tables in {where}: they were there before this run."
+    if keep:
+        return f"Kept the tables this run created in {where}: {', '.join(created)}."
+    # Unapplying the shop's migrations drops its tables in dependency order.
+    call_command("migrate", "shop", "zero", verbosity=0, interactive=False)
+    recorder = MigrationRecorder(connection)
+    if recorder.Migration._meta.db_table in created and not recorder.migration_qs.exists():
+        with connection.schema_editor() as editor:
+            editor.delete_model(recorder.Migration)
+    left = sorted(set(created) & set(connection.introspection.table_names()))
+    note = f"; still there: {', '.join(left)}" if left else ""
+    return f"Dropped the tables this run created in {where}{note} (--keep-tables keeps them)."
 
 
 def remove_earlier_races() -> None:

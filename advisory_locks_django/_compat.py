@@ -1,0 +1,116 @@
+"""Every use of Django's private API in this app, in one place.
+
+Checked against Django 4.2, 5.2 and 6.0 (the tests/django suite and the Django fault
+specs pass on each; tox.ini's django42/django52/django60 environments run them). Each
+function says what it relies on, so a new Django release is checked here and nowhere
+else.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Final
+
+from django.db import connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = [
+    "CHECKED_DJANGO_VERSIONS",
+    "connection_usable",
+    "django_errors",
+    "install_close_hook",
+    "new_wrapper",
+    "on_commit_callbacks",
+    "refuse_broken_transaction",
+    "uses_pool",
+]
+
+CHECKED_DJANGO_VERSIONS: Final = ((4, 2), (5, 2), (6, 0))
+
+# Marks the wrapped close(), so installing twice (two app registries in one process,
+# tests that call ready() again) wraps once.
+_HOOK_MARK: Final = "__advisory_locks_close_hook__"
+
+
+def install_close_hook(before_close: Callable[[BaseDatabaseWrapper], None]) -> None:
+    """Call ``before_close(wrapper)`` each time Django is about to close a connection.
+
+    Django sends no signal when it closes a DB-API connection or, with Django 5.1+'s
+    native pool, puts it back in the pool. Every path goes through
+    ``BaseDatabaseWrapper.close()``: ``connection.close()``, ``close_old_connections()``
+    at a request's start and end (``CONN_MAX_AGE``, errors, failed health checks),
+    ``connections.close_all()``. The PostgreSQL and MySQL wrappers inherit that method
+    (the pool's ``putconn`` is in PostgreSQL's ``_close()``, which it calls); SQLite's
+    overrides it but calls ``BaseDatabaseWrapper.close(self)`` by name, which is why the
+    wrapped function is put on the base class itself. A third-party backend that overrides
+    ``close()`` without calling the base class's is not seen.
+
+    ``before_close`` runs in the thread that owns the connection, while
+    ``wrapper.connection`` is still the open DB-API connection; it is not called when
+    there is nothing to close.
+    """
+    original = BaseDatabaseWrapper.close
+    if getattr(original, _HOOK_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def close(self: BaseDatabaseWrapper) -> None:
+        if self.connection is not None and not self.closed_in_transaction:
+            # Django checks this first too; a foreign thread must not touch the connection.
+            self.validate_thread_sharing()
+            before_close(self)
+        original(self)
+
+    setattr(close, _HOOK_MARK, True)
+    BaseDatabaseWrapper.close = close  # type: ignore[method-assign]
+
+
+def on_commit_callbacks(wrapper: BaseDatabaseWrapper) -> Iterator[Callable[[], Any]]:
+    """The callables ``transaction.on_commit()`` registered and not yet run or dropped.
+
+    ``run_on_commit`` is a list of ``(savepoint ids, callable, robust)`` tuples (the third
+    item since 4.2); Django drops the entries of a rolled-back savepoint or transaction.
+    """
+    for entry in wrapper.run_on_commit:
+        yield entry[1]
+
+
+def uses_pool(wrapper: BaseDatabaseWrapper) -> bool:
+    """Whether ``wrapper`` takes its connections from Django 5.1+'s native pool.
+
+    ``DatabaseWrapper.pool`` exists on PostgreSQL's wrapper from 5.1 (None without the
+    ``"pool"`` option); other backends have no such attribute.
+    """
+    return getattr(wrapper, "pool", None) is not None
+
+
+def django_errors(wrapper: BaseDatabaseWrapper) -> AbstractContextManager[None]:
+    """Turn DB-API errors raised inside into ``django.db`` errors, as Django's cursors do.
+
+    ``wrap_database_errors`` also sets ``errors_occurred``, which Django's end-of-request
+    health check reads: Django learns of a failed lock statement as of a failed query.
+    """
+    return wrapper.wrap_database_errors
+
+
+def refuse_broken_transaction(wrapper: BaseDatabaseWrapper) -> None:
+    """Raise ``TransactionManagementError`` inside an ``atomic()`` block that must roll
+    back, as every query Django runs there would (``validate_no_broken_transaction``)."""
+    wrapper.validate_no_broken_transaction()
+
+
+def connection_usable(wrapper: BaseDatabaseWrapper) -> bool:
+    """Django's own health check of an open connection (``is_usable()``: ``SELECT 1`` on
+    PostgreSQL, ``ping()`` on MySQL, always True on SQLite); never raises."""
+    return bool(wrapper.is_usable())
+
+
+def new_wrapper(alias: str) -> BaseDatabaseWrapper:
+    """A connection wrapper for ``alias`` that is no thread's (``create_connection``, the
+    factory ``connections[alias]`` uses); the caller closes it."""
+    return connections.create_connection(alias)

@@ -1,0 +1,108 @@
+"""Django 5.1+'s native connection pool: no connection goes back to it holding a lock.
+
+The "pooled" alias (tests/django_settings.py) is the default database through a pool of
+exactly one connection, so the connection one thread gives back is the one the next
+borrower gets. The server counts session locks per connection: a connection given back
+with a lock would make its next borrower a second holder, granted "re-entrantly".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import django
+import psycopg
+import pytest
+from django.db import connections
+from psycopg.rows import TupleRow
+
+from advisory_locks_django import LockLost, advisory_lock, current_advisory_locks
+from tests.django.real_requests import wsgi_worker
+from tests.django.support import holders, in_thread, run_in_thread, server_pid
+from tests.helpers import unique_name
+
+pytestmark = [
+    # tox runs Django 4.2 too; CI runs 5.2, so this never skips there.
+    pytest.mark.skipif(django.VERSION < (5, 1), reason="Django's native pool is 5.1+"),
+    pytest.mark.postgresql,
+    pytest.mark.django_db(transaction=True, databases=["default", "pooled"]),
+]
+
+Admin = psycopg.Connection[TupleRow]
+POOLED = "pooled"
+
+
+@pytest.fixture(autouse=True)
+def _pool() -> Iterator[None]:
+    yield
+    connections[POOLED].close()
+    connections[POOLED].close_pool()
+
+
+def test_the_pool_lends_one_connection_to_one_borrower_at_a_time() -> None:
+    # What the other specs rely on: the connection given back is the next one lent.
+    first = in_thread(lambda: server_pid(POOLED))
+    assert in_thread(lambda: server_pid(POOLED)) == first
+
+
+def test_closing_while_holding_unlocks_before_the_pool_lends_the_connection(
+    admin: Admin, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = unique_name("pool-close")
+    closed = threading.Event()
+    checked = threading.Event()
+
+    def holder() -> None:
+        lock = advisory_lock(name, using=POOLED)
+        lock.acquire()
+        connections[POOLED].close()  # back to the pool, still the holder's block
+        closed.set()
+        checked.wait(10)
+        with pytest.raises(LockLost, match="gave it back to its pool"):
+            lock.ensure_held()
+        with pytest.raises(LockLost):
+            lock.release()
+
+    with caplog.at_level(logging.WARNING, logger="advisory_locks_django"):
+        first = run_in_thread(holder)
+        assert closed.wait(10)
+        assert holders(admin, name) == []
+        # The next borrower gets the same connection and a lock that is really free.
+        assert in_thread(lambda: advisory_lock(name, using=POOLED, timeout=0).acquire())
+        checked.set()
+        first.get()
+    assert name in caplog.text
+
+
+def test_a_lock_a_request_left_held_is_not_lent_with_the_connection(admin: Admin) -> None:
+    name = unique_name("pool-request")
+    with wsgi_worker() as worker:
+        first = worker.request(
+            lambda: advisory_lock(name, using=POOLED).acquire() and server_pid(POOLED)
+        )
+        assert first.status == 200
+        assert holders(admin, name) == []
+        second = worker.request(lambda: (server_pid(POOLED), current_advisory_locks(POOLED)))
+    assert second.body == repr((int(first.body), []))
+
+
+def test_a_thread_of_another_request_cannot_take_what_a_request_holds(admin: Admin) -> None:
+    # Exclusion still holds between two borrowers of the pool in turn: the second waits
+    # for the pool, not past the lock.
+    name = unique_name("pool-exclusion")
+    held = threading.Event()
+    done = threading.Event()
+
+    def hold() -> None:
+        with advisory_lock(name, using=POOLED):
+            held.set()
+            done.wait(10)
+
+    holder = run_in_thread(hold)
+    assert held.wait(10)
+    assert in_thread(lambda: advisory_lock(name, timeout=0).acquire()) is False
+    done.set()
+    holder.get()
+    assert holders(admin, name) == []
