@@ -27,6 +27,7 @@ from advisory_locks._core.lease import LeaseLock
 from advisory_locks.errors import (
     AdvisoryLockError,
     LeaseTableMissing,
+    LockConnectionLost,
     LockDeadlock,
     LockLost,
     LockNotAcquired,
@@ -46,6 +47,7 @@ __all__ = [
     "AsyncAdvisoryLockSet",
     "LeaseLock",
     "LeaseTableMissing",
+    "LockConnectionLost",
     "LockDeadlock",
     "LockLost",
     "LockName",

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AdvisoryLockError",
     "LeaseTableMissing",
+    "LockConnectionLost",
     "LockDeadlock",
     "LockLost",
     "LockNotAcquired",
@@ -50,6 +51,25 @@ class LockLost(AdvisoryLockError):
 
     Raised on release when the connection died (backend terminated, failover) or the
     server reports that the lock was not held.
+    """
+
+    def __init__(self, message: str, *, name: LockName | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+class LockConnectionLost(AdvisoryLockError, ConnectionError):
+    """The connection a lock was being taken on is gone; nothing was acquired.
+
+    Raised by an acquire (``with``, ``acquire()``) when the server ended the session
+    (restart, failover, ``pg_terminate_backend``, ``KILL CONNECTION``, an idle timeout) or
+    the network dropped it; ``__cause__`` is the driver's error. Not ``LockNotAcquired``:
+    nobody else holds the lock as far as anyone knows, so skipping the work as "already
+    being done" would be wrong. Through a pool (an Engine, a Session, a driver's pool) the
+    dead connection has been discarded the way the pool discards one after a disconnect,
+    so trying again takes a fresh connection. Also a ``ConnectionError``, so retry
+    policies written for connection failures apply. A lock already *held* when its
+    connection dies is reported as ``LockLost`` instead.
     """
 
     def __init__(self, message: str, *, name: LockName | None = None) -> None:
@@ -103,6 +123,7 @@ for _error in (
     LockLost,
     LockStolen,
     LeaseTableMissing,
+    LockConnectionLost,
     LockUsageError,
     UnsupportedDatabase,
     UnsupportedFeature,

@@ -135,11 +135,15 @@ def derive_key(
     if isinstance(name, bool):
         raise TypeError("lock name must be str, int or (int, int), not bool")
     if isinstance(name, int):
-        if not INT64_MIN <= name <= INT64_MAX:
-            raise ValueError(f"integer lock name {name} is outside the signed 64-bit range")
-        return LockKey(name, (int(name),))
+        # An int subclass (IntEnum, an (int, Enum) mix-in) is the lock of its value on
+        # every database: MySQL locks the formatted name, where it may say "Color.RED".
+        value = int(name)
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"integer lock name {value} is outside the signed 64-bit range")
+        return LockKey(value, (value,))
     if isinstance(name, tuple):
-        return LockKey(name, _validate_pair(name))
+        pair = _validate_pair(name)
+        return LockKey(pair, pair)
     if not isinstance(name, str):
         raise TypeError(f"lock name must be str, int or (int, int), not {type(name).__name__}")
     if not name:

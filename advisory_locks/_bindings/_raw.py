@@ -75,7 +75,12 @@ from advisory_locks._core.contract import LockOptions, Timeout
 from advisory_locks._core.executors import DBAPIExecutor, driver_autocommit, driver_in_transaction
 from advisory_locks._core.steps import Statement, Steps, arun_steps, on, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
-from advisory_locks.errors import AdvisoryLockError, LockUsageError, UnsupportedFeature
+from advisory_locks.errors import (
+    AdvisoryLockError,
+    LockConnectionLost,
+    LockUsageError,
+    UnsupportedFeature,
+)
 from advisory_locks.keys import LockKey, LockName
 
 __all__ = [
@@ -107,8 +112,9 @@ DECLARE_POOLER: Final = (
 STATE_ATTRIBUTE: Final = "_advisory_locks_state"
 
 
-class ConnectionGone(AdvisoryLockError):
-    """The driver connection failed or was closed: nothing can be locked on it."""
+class ConnectionGone(LockConnectionLost):
+    """The driver connection failed or was closed: nothing can be locked on it (an acquire
+    reports it as ``LockConnectionLost``, a held lock as ``LockLost``)."""
 
 
 # -- declared poolers -------------------------------------------------------------------

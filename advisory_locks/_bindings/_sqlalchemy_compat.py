@@ -6,10 +6,20 @@ breaks on a new SQLAlchemy release, this is the file to change.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["adapter_begin_if_needed", "transaction_connections"]
+from sqlalchemy.engine import Connection
+
+__all__ = [
+    "adapter_begin_if_needed",
+    "cut_from_pool",
+    "pool_entry",
+    "report_disconnect",
+    "report_pooled_disconnect",
+    "transaction_connections",
+]
 
 
 def transaction_connections(transaction: Any) -> list[Any]:
@@ -35,3 +45,75 @@ def adapter_begin_if_needed(adapter: Any, await_: Callable[[Any], Any]) -> None:
     """
     if not adapter.autocommit and adapter._transaction is None:
         await_(adapter._start_transaction())
+
+
+def report_disconnect(connection: Any, error: Exception) -> None:
+    """Let SQLAlchemy handle ``error`` as the disconnect it is, as if a statement of its own
+    had raised it on ``connection`` (a ``Connection``).
+
+    The library's statements run on the DB-API connection, below SQLAlchemy, which would
+    otherwise never learn that the session is gone. ``Connection._handle_dbapi_exception``
+    runs the ``handle_error`` events (which may still overrule the verdict), marks every
+    pooled connection opened before this one stale (a restart leaves them all dead, and
+    they are replaced at their next checkout) and invalidates this Connection. The
+    verdict is set first through ``Connection._is_disconnect``, which that method reads
+    before asking the dialect: the backend already recognised a lost session by its
+    code. The method always raises (the wrapped error); that is the caller's to report.
+    Checked against SQLAlchemy 2.0.0-2.0.44 and 2.1.0-2.1.9.
+    """
+    if connection.closed or connection.invalidated:
+        return
+    connection._is_disconnect = True
+    # It always raises (the wrapped error): that is its way of reporting; ours follows.
+    with contextlib.suppress(Exception):
+        connection._handle_dbapi_exception(error, None, None, None, None)
+
+
+def report_pooled_disconnect(engine: Any, fairy: Any, error: Exception) -> None:
+    """``report_disconnect`` for a pooled connection checked out without a ``Connection``
+    (``Engine.raw_connection()``).
+
+    The ``handle_error`` events run as SQLAlchemy runs them for an error outside any
+    Connection (``Connection._handle_dbapi_exception_noconnection``); then
+    ``Pool._invalidate`` does what ``_handle_dbapi_exception`` does for a disconnect:
+    every connection the pool opened before this one is replaced at its next checkout,
+    and this one is invalidated (closed and checked in). Checked against SQLAlchemy
+    2.0.0-2.0.44 and 2.1.0-2.1.9.
+    """
+    with contextlib.suppress(Exception):
+        Connection._handle_dbapi_exception_noconnection(
+            error, engine.dialect, engine, is_disconnect=True, invalidate_pool_on_disconnect=True
+        )
+    pool = getattr(fairy, "_pool", None) or engine.pool
+    pool._invalidate(fairy, error)
+
+
+def pool_entry(fairy: Any) -> Any:
+    """The pool entry (``ConnectionPoolEntry``) of a checked-out connection, or None once
+    it was checked in (``_ConnectionFairy._connection_record``). Checked against
+    SQLAlchemy 2.0.0-2.0.44 and 2.1.0-2.1.9."""
+    return getattr(fairy, "_connection_record", None)
+
+
+def cut_from_pool(fairy_or_record: Any) -> None:
+    """Take a DB-API connection away from SQLAlchemy's pool in this process without
+    touching it: in a forked child, for a connection the parent opened.
+
+    This is the recipe of SQLAlchemy's pooling docs for connections that crossed a fork
+    (``connection_record.dbapi_connection = connection_proxy.dbapi_connection = None``):
+    the pool neither resets (rolls back), nor closes, nor hands out that connection in
+    this process again, and opens a fresh one in its place at the next checkout; the
+    parent's socket is never written to. Given a pool entry, the connection it has
+    checked out right now (``_ConnectionRecord.fairy_ref``) is cut too. Checked against
+    SQLAlchemy 2.0.0-2.0.44 and 2.1.0-2.1.9.
+    """
+    record = getattr(fairy_or_record, "_connection_record", None)
+    if record is None:
+        record = fairy_or_record
+        reference = getattr(record, "fairy_ref", None)
+        fairy = reference() if reference is not None else None
+    else:
+        fairy = fairy_or_record
+    if fairy is not None:
+        fairy.dbapi_connection = None
+    record.dbapi_connection = None

@@ -32,6 +32,10 @@ from sqlalchemy.util import await_only, greenlet_spawn
 
 from advisory_locks._bindings._sqlalchemy_compat import (
     adapter_begin_if_needed,
+    cut_from_pool,
+    pool_entry,
+    report_disconnect,
+    report_pooled_disconnect,
     transaction_connections,
 )
 from advisory_locks._core.advisory import (
@@ -44,6 +48,7 @@ from advisory_locks._core.connection import (
     POOLER_MODES,
     ConnectionState,
     check_server,
+    current_process_id,
     finish_pending_releases,
     release_session_locks,
 )
@@ -57,13 +62,13 @@ from advisory_locks._core.executors import (
 )
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, Steps, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
-from advisory_locks.errors import UnsupportedFeature
+from advisory_locks.errors import LockConnectionLost, UnsupportedFeature
 from advisory_locks.keys import LockKey, LockName
 
 logger = logging.getLogger("advisory_locks")
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine.interfaces import DBAPIConnection
+    from sqlalchemy.engine.interfaces import DBAPIConnection, Dialect
     from sqlalchemy.pool import ConnectionPoolEntry
 
 __all__ = ["POOLER_OPTION", "AsyncBind", "SQLAlchemyBinding", "SyncBind", "sync_bind"]
@@ -76,6 +81,8 @@ STATE_INFO_KEY: Final = "advisory_locks.state"
 EXECUTOR_INFO_KEY: Final = "advisory_locks.executor"
 AUTOCOMMIT_INFO_KEY: Final = "advisory_locks.restore_autocommit"
 SESSION_INFO_KEY: Final = "advisory_locks.session_connection"
+# (process id, weak reference to the pool entry), recorded when the DB-API connection opens.
+CONNECTED_INFO_KEY: Final = "advisory_locks.connected"
 # Execution option declaring what sits between the engine and the server:
 # "transaction" (session locks refused), "session" (a pooler that pins each client to
 # one server connection), or "none".
@@ -178,11 +185,30 @@ def _backend_for(engine: Engine) -> Backend:
     return backend_for_dialect(engine.dialect.name)
 
 
-def connection_state(info: dict[Any, Any], backend: Backend | None = None) -> ConnectionState:
-    """The state stored with a pooled DB-API connection (dropped if it is replaced)."""
+def connection_state(
+    info: dict[Any, Any],
+    backend: Backend | None = None,
+    fairy: PoolProxiedConnection | None = None,
+) -> ConnectionState:
+    """The state stored with a pooled DB-API connection (dropped if it is replaced).
+
+    A lock passes the checked-out ``fairy`` it runs on, so that a forked child can cut
+    that connection from its pool even when it was opened before this module was
+    imported (and so without the process id and pool entry ``_connected`` records).
+    """
     state = info.get(STATE_INFO_KEY)
     if not isinstance(state, ConnectionState):
-        state = info[STATE_INFO_KEY] = ConnectionState()
+        connected = info.get(CONNECTED_INFO_KEY)
+        state = ConnectionState() if connected is None else ConnectionState(pid=connected[0])
+        info[STATE_INFO_KEY] = state
+    if state.fork_hook is None:
+        connected = info.get(CONNECTED_INFO_KEY)
+        record = connected[1]() if connected is not None else None
+        if record is None and fairy is not None:
+            record = pool_entry(fairy)
+        if record is not None:
+            entry = weakref.ref(record)
+            state.fork_hook = lambda: _cut_entry(entry)
     if backend is not None:
         state.backend = backend
     return state
@@ -248,7 +274,7 @@ class ConnectionSite:
         self.backend = _backend_for(connection.engine)
 
     def borrow(self, *, transaction: bool) -> ConnectionBorrow:
-        return ConnectionBorrow(self.connection, self.backend, transaction=transaction)
+        return _connection_borrow(self.connection, self.backend, transaction=transaction)
 
     def held_names(self) -> list[LockName]:
         if self.connection.closed or self.connection.invalidated:
@@ -271,12 +297,19 @@ class _SettledAtOnce:
 class ConnectionBorrow(_SettledAtOnce):
     """A caller's Connection: never closed or returned by the lock."""
 
-    __slots__ = ("connection", "executor", "in_transaction", "state")
+    __slots__ = ("connection", "executor", "fairy", "in_transaction", "state")
 
     def __init__(self, connection: Connection, backend: Backend, *, transaction: bool) -> None:
         fairy = connection.connection
         dbapi = fairy.dbapi_connection
         info = fairy.info
+        self.fairy = fairy
+        if connection_state(info, backend, fairy).inherited:
+            # A forked child's copy of its parent's connection: nothing may be sent on
+            # it (the lock refuses it, naming itself).
+            self.connection, self.in_transaction = connection, False
+            self.state = connection_state(info)
+            return
         if driver_autocommit(dbapi):
             if transaction:
                 raise UnsupportedFeature(
@@ -320,8 +353,32 @@ class ConnectionBorrow(_SettledAtOnce):
         pass
 
     def broken(self, error: BaseException) -> None:
-        if not self.connection.invalidated:
-            self.connection.invalidate(error if isinstance(error, Exception) else None)
+        if isinstance(error, Exception):
+            # Gone: SQLAlchemy's own disconnect handling, pool and all.
+            report_disconnect(self.connection, error)
+        elif not self.connection.invalidated:
+            # Interrupted mid-statement: this connection's state is unknown.
+            self.connection.invalidate()
+
+    def is_disconnect(self, error: Exception) -> bool:
+        return _dialect_disconnect(self.connection.dialect, error, self.fairy)
+
+
+def _connection_borrow(
+    connection: Connection, backend: Backend, *, transaction: bool
+) -> ConnectionBorrow:
+    """A ``ConnectionBorrow``; a connection that died under the statements it runs to get
+    ready is handed to SQLAlchemy's disconnect handling and reported as such."""
+    try:
+        return ConnectionBorrow(connection, backend, transaction=transaction)
+    except Exception as error:
+        if (connection.invalidated or connection.closed) or not (
+            backend.is_connection_failure(error)
+            or _dialect_disconnect(connection.dialect, error, connection.connection)
+        ):
+            raise
+        report_disconnect(connection, error)
+        raise LockConnectionLost(str(error)) from error
 
 
 class _AutocommitExecutor:
@@ -363,13 +420,13 @@ class PooledBorrow(_SettledAtOnce):
 
     def __init__(self, engine: Engine, backend: Backend) -> None:
         self.engine = engine
-        self.fairy = engine.raw_connection()
-        dbapi = self.fairy.dbapi_connection
-        if backend.locks_on_server and not driver_autocommit(dbapi):
-            self.fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
-        self.executor: Any = executor_for(self.fairy, self.fairy.info)
-        self.state = connection_state(self.fairy.info, backend)
+        self.fairy = _own_connection(engine)
+        self.state = connection_state(self.fairy.info, backend, self.fairy)
         try:
+            dbapi = self.fairy.dbapi_connection
+            if backend.locks_on_server and not driver_autocommit(dbapi):
+                self.fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
+            self.executor: Any = executor_for(self.fairy, self.fairy.info)
             run_steps(
                 check_server(
                     self.state,
@@ -381,7 +438,13 @@ class PooledBorrow(_SettledAtOnce):
                     transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
                 )
             )
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, Exception) and (
+                backend.is_connection_failure(error) or self.is_disconnect(error)
+            ):
+                report_pooled_disconnect(engine, self.fairy, error)
+                self.fairy.close()
+                raise LockConnectionLost(str(error)) from error
             self.fairy.close()
             raise
         self.in_transaction = False
@@ -399,9 +462,46 @@ class PooledBorrow(_SettledAtOnce):
 
     def broken(self, error: BaseException) -> None:
         _engine_borrows(self.engine).discard(self)
-        if not self.returned:
-            self.fairy.invalidate(error if isinstance(error, Exception) else None)
-            self.fairy.close()
+        if self.returned:
+            return
+        if isinstance(error, Exception):
+            # Gone: SQLAlchemy's own disconnect handling, pool and all.
+            report_pooled_disconnect(self.engine, self.fairy, error)
+        else:
+            # Interrupted mid-statement: this connection's state is unknown.
+            self.fairy.invalidate()
+        self.fairy.close()
+
+    def is_disconnect(self, error: Exception) -> bool:
+        return _dialect_disconnect(self.engine.dialect, error, self.fairy)
+
+
+def _dialect_disconnect(dialect: Dialect, error: Exception, fairy: Any) -> bool:
+    """SQLAlchemy's verdict: whether the dialect reads ``error`` as a lost connection."""
+    try:
+        return isinstance(error, dialect.loaded_dbapi.Error) and bool(
+            dialect.is_disconnect(error, fairy, None)
+        )
+    except Exception:  # a dialect that cannot tell says nothing
+        return False
+
+
+def _own_connection(engine: Engine) -> PoolProxiedConnection:
+    """A pooled connection this process opened.
+
+    In a forked child the pool may hand out a connection the parent opened, whose server
+    session the parent goes on using: a lock taken there would be the parent's too (the
+    server counts the second holder as a re-entry). Each such connection is cut from the
+    child's pool without being touched (SQLAlchemy's fork recipe), and the pool opens a
+    fresh one in its place. Every round cuts one inherited connection, so this ends.
+    """
+    while True:
+        fairy = engine.raw_connection()
+        connected = fairy.info.get(CONNECTED_INFO_KEY)
+        if connected is None or connected[0] == current_process_id():
+            return fairy
+        cut_from_pool(fairy)
+        fairy.close()
 
 
 _borrows_by_engine: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[PooledBorrow]] = (
@@ -472,10 +572,10 @@ class SessionSite:
 
     def borrow(self, *, transaction: bool) -> Any:
         if transaction:
-            return ConnectionBorrow(self.session.connection(), self.backend, transaction=True)
+            return _connection_borrow(self.session.connection(), self.backend, transaction=True)
         bind = self.session.get_bind()
         if isinstance(bind, Connection):
-            return ConnectionBorrow(bind, self.backend, transaction=False)
+            return _connection_borrow(bind, self.backend, transaction=False)
         borrow = self._pooled_borrow()
         if borrow is None:
             borrow = PooledBorrow(bind, self.backend)
@@ -602,6 +702,20 @@ def _savepoint_released(connection: Connection, name: str, context: object) -> N
         state.savepoint_released(name)
 
 
+@event.listens_for(Pool, "connect")
+def _connected(dbapi_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
+    # Which process opened the connection: a forked child must never take a lock on, nor
+    # unlock through, a connection of its parent's.
+    record.info[CONNECTED_INFO_KEY] = (current_process_id(), weakref.ref(record))
+
+
+def _cut_entry(entry: weakref.ref[ConnectionPoolEntry]) -> None:
+    # In a forked child, for a connection that carries the parent's locks.
+    record = entry()
+    if record is not None:
+        cut_from_pool(record)
+
+
 @event.listens_for(Pool, "checkin")
 def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionPoolEntry) -> None:
     # The pool has rolled the connection back, which ends every transaction lock but no
@@ -612,6 +726,10 @@ def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionP
         return
     info = record.info
     state = info.get(STATE_INFO_KEY)
+    if isinstance(state, ConnectionState) and state.inherited:
+        # A forked child checking in its copy of a parent's connection: the locks and
+        # the session settings are the parent's; send nothing.
+        return
     try:
         if isinstance(state, ConnectionState):
             state.transaction_ended()

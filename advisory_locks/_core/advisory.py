@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from advisory_locks._core.connection import ConnectionState, Holding
+from advisory_locks._core.connection import ConnectionState, Holding, inherited_connection_error
 from advisory_locks._core.contract import (
     AsyncLockContract,
     LockContract,
@@ -26,7 +27,7 @@ from advisory_locks._core.contract import (
     validate_timeout,
 )
 from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
-from advisory_locks.errors import LockLost, LockNotAcquired, LockUsageError
+from advisory_locks.errors import LockConnectionLost, LockLost, LockNotAcquired, LockUsageError
 from advisory_locks.keys import LockKey, LockName
 
 if TYPE_CHECKING:
@@ -52,7 +53,15 @@ StepRunner = Callable[[Steps[Any]], Awaitable[Any]]
 
 
 class Borrowed(Protocol):
-    """The connection a lock runs on, lent by the binding for as long as the lock is held."""
+    """The connection a lock runs on, lent by the binding for as long as the lock is held.
+
+    A binding whose ORM has its own disconnect detection may also give it a method
+    ``is_disconnect(error) -> bool``, asked when the backend does not recognise ``error``
+    as a lost connection. A site's ``borrow`` raises ``LockConnectionLost`` (from the
+    driver's error) when the connection died under a statement the borrow itself ran;
+    errors of *opening* a connection pass through unchanged (a refused connection and a
+    wrong password look alike there).
+    """
 
     executor: Any
     state: ConnectionState
@@ -154,9 +163,22 @@ class AdvisoryLock(LockContract):
     def _not_acquired(self) -> LockNotAcquired:
         return not_acquired_error(self.name, self.options.timeout)
 
+    def _connection_lost(self, error: BaseException) -> LockConnectionLost:
+        return LockConnectionLost(
+            f"advisory lock {self.name!r} was not taken: its connection is gone ({error})",
+            name=self.name,
+        )
+
     # -- the rules, as steps --------------------------------------------------------------
 
     def acquire_steps(self) -> Steps[bool]:
+        borrowed = self._borrowed
+        if borrowed is not None and borrowed.state.inherited:
+            # A forked child's copy of a held lock: the parent holds it, this process
+            # does not, so taking it again is a new acquisition, never a re-entry.
+            self._count = 0
+            self._holding = self._borrowed = None
+            self._owner = None
         self._claim()
         holding = self._holding
         if self._borrowed is not None:
@@ -198,8 +220,16 @@ class AdvisoryLock(LockContract):
 
     def _acquire_once(self) -> Steps[bool]:
         options = self.options
-        borrowed: Borrowed = yield Borrow(options.transaction)
+        try:
+            borrowed: Borrowed = yield Borrow(options.transaction)
+        except LockConnectionLost as lost:
+            cause = _driver_error(lost)
+            raise self._connection_lost(cause) from cause
         state = borrowed.state
+        if state.inherited:
+            borrowed.done()
+            yield Settle(borrowed)
+            raise inherited_connection_error(self.name, state)
         holding = state.find(self.key_info, shared=options.shared, transaction=options.transaction)
         if holding is None:
             backend = self._site.backend
@@ -220,11 +250,16 @@ class AdvisoryLock(LockContract):
                 # server's answer unknown: asyncpg, for one, stops listening while the
                 # server may still grant the lock. Only discarding the connection ensures
                 # no one inherits it.
-                if not isinstance(error, Exception) or backend.is_connection_failure(error):
+                interrupted = not isinstance(error, Exception)
+                gone = isinstance(error, Exception) and _connection_failed(backend, borrowed, error)
+                if interrupted or gone:
                     borrowed.broken(error)
                 else:
                     borrowed.done()
                 yield Settle(borrowed)
+                if gone:
+                    cause = _driver_error(error)
+                    raise self._connection_lost(cause) from cause
                 raise
             if not granted:
                 borrowed.done()
@@ -262,8 +297,8 @@ class AdvisoryLock(LockContract):
             borrowed.done()
             yield Settle(borrowed)
             raise LockLost(
-                f"advisory lock {self.name!r} was released before its block ended "
-                "(its connection was returned to the pool or closed)",
+                f"advisory lock {self.name!r} was lost before its block ended (its "
+                "connection failed, was closed, or was returned to the pool)",
                 name=self.name,
             )
         yield from self._unlock(holding, borrowed)
@@ -287,7 +322,7 @@ class AdvisoryLock(LockContract):
                 logger.debug("release of %r deferred to the end of the transaction", self.name)
                 return
             state.forget(holding)
-            if backend.is_connection_failure(error):
+            if _connection_failed(backend, borrowed, error):
                 borrowed.broken(error)
                 yield Settle(borrowed)
                 raise LockLost(
@@ -322,7 +357,7 @@ class AdvisoryLock(LockContract):
             reason = (
                 "its transaction ended"
                 if holding.transaction
-                else "its connection was returned to the pool or closed"
+                else "its connection failed, was closed, or was returned to the pool"
             )
             raise LockLost(
                 f"advisory lock {self.name!r} is no longer held: {reason}", name=self.name
@@ -334,7 +369,7 @@ class AdvisoryLock(LockContract):
                 backend.is_held(state.driver_state, self.key_info, shared=self.options.shared),
             )
         except Exception as error:
-            if not backend.is_connection_failure(error):
+            if not _connection_failed(backend, borrowed, error):
                 raise
             state.forget(holding)
             borrowed.broken(error)
@@ -554,6 +589,22 @@ class AsyncAdvisoryLockSet:
         return "<Async" + repr(self._set)[1:]
 
 
+def _connection_failed(backend: Backend, borrowed: Borrowed, error: Exception) -> bool:
+    """Whether ``error`` means the connection is gone: the backend knows its database's
+    codes; the binding's ORM may know more of the driver's ways of saying it."""
+    if backend.is_connection_failure(error):
+        return True
+    is_disconnect = getattr(borrowed, "is_disconnect", None)
+    return is_disconnect is not None and bool(is_disconnect(error))
+
+
+def _driver_error(error: BaseException) -> BaseException:
+    """The driver's own error behind a binding's LockConnectionLost, else ``error``."""
+    if isinstance(error, LockConnectionLost) and error.__cause__ is not None:
+        return error.__cause__
+    return error
+
+
 def _release_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> Steps[None]:
     first_error: BaseException | None = None
     for lock in reversed(locks):
@@ -567,6 +618,16 @@ def _release_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> Steps[N
 
 
 _CLAIMS = threading.Lock()
+
+
+def _new_claims_lock() -> None:
+    # In a forked child: a thread of the parent may have held it at the fork.
+    global _CLAIMS
+    _CLAIMS = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_new_claims_lock)
 
 
 def _current_owner() -> tuple[int, int]:

@@ -14,16 +14,18 @@ gone.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from advisory_locks._core.executors import protocol_session_id
 from advisory_locks._core.steps import Executor, Statement, Steps, on
-from advisory_locks._dialects.base import WAIT_CANCELLED_STATE
-from advisory_locks.errors import UnsupportedFeature
+from advisory_locks._dialects.base import SERVER_SESSION_STATE, WAIT_CANCELLED_STATE
+from advisory_locks.errors import LockUsageError, UnsupportedFeature
 from advisory_locks.keys import LockKey, LockName
 
 if TYPE_CHECKING:
@@ -35,8 +37,12 @@ __all__ = [
     "Holding",
     "PoolerMode",
     "check_server",
+    "current_process_id",
     "finish_pending_releases",
+    "inherited_connection_error",
 ]
+
+logger = logging.getLogger("advisory_locks")
 
 HoldingKey = tuple[Hashable, bool, bool]
 
@@ -82,14 +88,22 @@ class ConnectionState:
     # Whether statements reach another server session than the driver connected to (a
     # pooler or proxy in between); None until the server was asked.
     behind_proxy: bool | None = None
-    # The process that made this state. A forked child inherits the connection's socket
-    # or file descriptors, but not the locks: those stay the parent's.
-    pid: int = field(default_factory=os.getpid)
+    # The process that opened the driver connection (a binding that learns it at connect
+    # passes it; else the one that made this state). A forked child inherits the
+    # connection's socket or file descriptors, but not the locks: those stay the parent's.
+    pid: int = field(default_factory=lambda: current_process_id())
+    # Called in a forked child for a connection that carries locks of the parent: the
+    # binding cuts the child's handles on it (an ORM pool would otherwise roll it back,
+    # reset or close it when the child drops them, through the parent's socket).
+    fork_hook: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        _STATES.add(self)
 
     @property
     def inherited(self) -> bool:
-        """Whether this process is a fork of the one that took these locks."""
-        return self.pid != os.getpid()
+        """Whether this process is a fork of the one that opened the connection."""
+        return self.pid != _process_id
 
     def observe(self) -> None:
         """Catch up, without a round trip, with what happened to the driver connection
@@ -188,6 +202,16 @@ class ConnectionState:
         return gone
 
 
+def inherited_connection_error(name: LockName, state: ConnectionState) -> LockUsageError:
+    """The error for taking a lock, in a forked child, on a connection its parent opened."""
+    return LockUsageError(
+        f"lock {name!r} cannot be taken on this connection: process {state.pid} opened it, "
+        "and this process is a fork of that one, so the connection (and every lock on it) "
+        "is the parent's. Open the child's own connections: with SQLAlchemy, call "
+        "engine.dispose(close=False) first thing in the child"
+    )
+
+
 def check_server(
     state: ConnectionState,
     executor: object,
@@ -215,6 +239,7 @@ def check_server(
     if state.behind_proxy is None:
         assert state.backend is not None
         server_id = yield from on(executor, state.backend.inspect_server(state.driver_state))
+        state.driver_state[SERVER_SESSION_STATE] = server_id
         client_id = protocol_session_id(driver_connection)
         state.behind_proxy = client_id is not None and client_id != server_id
     if session_lock and state.behind_proxy and pooler is None:
@@ -260,6 +285,39 @@ def release_session_locks(state: ConnectionState, executor: object) -> Steps[lis
             executor, backend.release(state.driver_state, holding.key, shared=holding.shared)
         )
     return holdings
+
+
+# Every live state, so that a forked child can find the connections its parent's locks
+# are on (weak: a state lives exactly as long as its driver connection).
+_STATES: weakref.WeakSet[ConnectionState] = weakref.WeakSet()
+
+
+# This process's id, kept current by the fork hook below: asked on every lock, and a
+# system call each time otherwise.
+_process_id: int = os.getpid()
+
+
+def current_process_id() -> int:
+    """``os.getpid()``, without the system call."""
+    return _process_id
+
+
+def _after_fork_in_child() -> None:
+    global _process_id
+    _process_id = os.getpid()
+    for state in list(_STATES):
+        # A thread of the parent may have held it at the fork; none in the child will
+        # ever let it go.
+        state.mutex = threading.RLock()
+        if state.fork_hook is not None and (state.holdings or state.pending_release):
+            try:
+                state.fork_hook()
+            except Exception:  # a fork must go on; the state stays inherited either way
+                logger.debug("cutting an inherited connection failed", exc_info=True)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # Opens another connection to the same server, for statements the waiting one cannot run;

@@ -22,6 +22,10 @@ T = TypeVar("T")
 # Key in a connection's state: the server version string, where the driver learned it at
 # connect (no round trip needed to tell MariaDB from MySQL).
 SERVER_VERSION_STATE: Final = "server_version"
+# Key in a connection's state: the server's id of the session its statements run in
+# (pg_backend_pid(), CONNECTION_ID()), learned by the server check. Read by cancel_wait
+# from another thread, where some drivers refuse to be asked anything mid-statement.
+SERVER_SESSION_STATE: Final = "server_session_id"
 # Key in a connection's state: a threading.Event that a binding able to abandon waits puts
 # there for the length of one acquire (see ``AbandonableWait``). ``cancel_wait`` sets it;
 # a backend whose wait runs in this process (SQLite's file lock) polls it.

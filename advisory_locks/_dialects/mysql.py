@@ -22,6 +22,7 @@ from advisory_locks._core.contract import Timeout
 from advisory_locks._core.executors import protocol_session_id
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
 from advisory_locks._dialects.base import (
+    SERVER_SESSION_STATE,
     SERVER_VERSION_STATE,
     WAIT_CANCELLED_STATE,
     LockedRow,
@@ -54,8 +55,17 @@ MAX_TIMEOUT_SECONDS: Final = 2**31 - 1
 ER_LOCK_DEADLOCK: Final = 1213  # MariaDB's answer to a user-lock deadlock
 ER_USER_LOCK_DEADLOCK: Final = 3058  # MySQL's
 ER_USER_LOCK_WRONG_NAME: Final = 3057
-# Connection gone: server gone away, lost during query, killed, shutdown, not connected.
-CONNECTION_GONE: Final = frozenset({1053, 1927, 2006, 2013, 2055, 4031})
+# The session is gone (or the protocol is past saving): ER_SERVER_SHUTDOWN 1053,
+# ER_ABORTING_CONNECTION 1152, ER_NET_READ_ERROR .. ER_NET_WRITE_INTERRUPTED 1158-1161,
+# ER_NEW_ABORTING_CONNECTION 1184, ER_CONNECTION_KILLED 1927 (MariaDB), ER_SESSION_WAS_KILLED
+# 3169 (MySQL), ER_CLIENT_INTERACTION_TIMEOUT 4031 (MySQL 8.0.24+ wait_timeout); client side
+# CR_SERVER_GONE_ERROR 2006, CR_SERVER_LOST 2013, CR_COMMANDS_OUT_OF_SYNC 2014,
+# CR_NAMEDPIPEOPEN_ERROR 2045 (SQLAlchemy counts these two as disconnects too),
+# CR_SERVER_LOST_EXTENDED 2055. Errors of opening a connection (2002, 2003) are not here:
+# no session existed, and the caller's own connect reports them.
+CONNECTION_GONE: Final = frozenset(
+    {1053, 1152, 1158, 1159, 1160, 1161, 1184, 1927, 3169, 4031, 2006, 2013, 2014, 2045, 2055}
+)
 
 SHARED_REFUSED: Final = (
     "MySQL and MariaDB have no shared named locks (GET_LOCK is exclusive only): take an "
@@ -236,7 +246,7 @@ class MySQLBackend:
         # MySQL has no cancel request in its protocol: another session kills the waiting
         # statement (GET_LOCK then returns NULL). KILL QUERY reaching a session that has
         # already finished the statement does nothing to its next one (MariaDB 10.11).
-        connection_id = protocol_session_id(driver_connection)
+        connection_id = state.get(SERVER_SESSION_STATE) or protocol_session_id(driver_connection)
         if connection_id is None:
             raise UnsupportedDatabase(
                 f"cannot tell which server session {type(driver_connection).__name__} "
@@ -246,8 +256,9 @@ class MySQLBackend:
         yield Statement(SCRIPT, f"KILL QUERY {int(connection_id)}")
 
     def is_connection_failure(self, error: BaseException) -> bool:
-        if error_code(error) in CONNECTION_GONE:
+        if error_code(error) in CONNECTION_GONE or isinstance(error, ConnectionError):
             return True
+        # PyMySQL and mysqlclient raise InterfaceError (0, '') on a closed connection.
         names = {cls.__name__ for cls in type(error).__mro__}
         return "InterfaceError" in names
 

@@ -16,7 +16,7 @@ from typing import Any, Final
 from advisory_locks._core.contract import Timeout
 from advisory_locks._core.executors import protocol_session_id
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
-from advisory_locks._dialects.base import LockedRow, StatementSteps
+from advisory_locks._dialects.base import SERVER_SESSION_STATE, LockedRow, StatementSteps
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockDeadlock,
@@ -35,9 +35,14 @@ DEADLOCK_DETECTED: Final = "40P01"
 QUERY_CANCELED: Final = "57014"
 OUT_OF_SHARED_MEMORY: Final = "53200"
 IN_FAILED_TRANSACTION: Final = "25P02"
-CONNECTION_GONE: Final = frozenset({"57P01", "57P02", "57P03", "25P03"})
+# SQLSTATEs after which the server has ended (or never began) the session, besides class
+# 08 (connection exception): admin_shutdown (pg_terminate_backend, fast shutdown),
+# crash_shutdown, cannot_connect_now (starting up, recovering), database_dropped,
+# idle_session_timeout (PostgreSQL 14+), idle_in_transaction_session_timeout, and
+# transaction_timeout (PostgreSQL 17+ ends the session too).
+CONNECTION_GONE: Final = frozenset({"57P01", "57P02", "57P03", "57P04", "57P05", "25P03", "25P04"})
 CONNECTION_FAILURE_CLASSES: Final = frozenset(
-    {"OperationalError", "InterfaceError", "ConnectionDoesNotExistError"}
+    {"OperationalError", "InterfaceError", "ConnectionDoesNotExistError", "InternalClientError"}
 )
 
 SAVEPOINT: Final = "advisory_locks_acquire"
@@ -233,7 +238,7 @@ class PostgresBackend:
             cancel()
             return
         # Drivers without a blocking cancel call: ask the server from another connection.
-        backend_pid = protocol_session_id(driver_connection)
+        backend_pid = state.get(SERVER_SESSION_STATE) or protocol_session_id(driver_connection)
         if backend_pid is None:
             raise UnsupportedDatabase(
                 f"cannot tell which server session {type(driver_connection).__name__} "
@@ -246,12 +251,18 @@ class PostgresBackend:
         if code is not None:
             return code.startswith("08") or code in CONNECTION_GONE
         # Drivers report a socket that closed under them without any SQLSTATE: psycopg 3
-        # and psycopg2 as OperationalError, asyncpg as InterfaceError ("connection is
-        # closed", or released back to its pool) or ConnectionDoesNotExistError (08003,
-        # caught above). A binding may have wrapped it (SQLAlchemy's DBAPIError keeps it in
-        # ``orig``, the raw bindings raise a typed error from it).
+        # and psycopg2 as OperationalError (psycopg2 also InterfaceError, "connection
+        # already closed"), asyncpg as InterfaceError ("connection is closed", or released
+        # back to its pool), ConnectionDoesNotExistError (08003, caught above) or a bare
+        # ConnectionResetError from its transport. asyncpg's InternalClientError says its
+        # protocol is out of step with the server ("cannot switch to state ...": the
+        # server's last words arrived between operations): like MySQL's "commands out of
+        # sync", no statement can run on that connection again. A binding may have
+        # wrapped it (SQLAlchemy's DBAPIError keeps it in ``orig``, the raw bindings raise
+        # a typed error from it).
         return any(
-            {cls.__name__ for cls in type(seen).__mro__} & CONNECTION_FAILURE_CLASSES
+            isinstance(seen, ConnectionError)
+            or bool({cls.__name__ for cls in type(seen).__mro__} & CONNECTION_FAILURE_CLASSES)
             for seen in _error_chain(error)
         )
 

@@ -89,6 +89,10 @@ class SQLiteBackend:
                 f"this connection holds {key.name!r} as a {held} lock; on SQLite it cannot "
                 f"also take it as {wanted} (the two file locks would wait for each other)"
             )
+        if DIRECTORY_STATE in state:
+            # The lock ends with its connection, as a server's does: never grant one on a
+            # connection closed under the binding (the first lock's PRAGMA asks anyway).
+            yield Statement(VALUE, "SELECT 1")
         directory = yield from _lock_directory(state)
         handle = open(directory / _file_name(key), "a+b")  # noqa: SIM115 - kept open while held
         cancelled: threading.Event | None = state.get(WAIT_CANCELLED_STATE)
