@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import gc
 import threading
-import warnings
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
