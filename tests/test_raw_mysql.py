@@ -27,7 +27,7 @@ from sqlalchemy.engine import URL
 
 from advisory_locks import (
     AdvisoryLock,
-    AdvisoryLockError,
+    LockConnectionLost,
     LockLost,
     LockNotAcquired,
     UnsupportedFeature,
@@ -288,7 +288,7 @@ def test_acquire_on_a_killed_connection_raises_a_typed_error(driver: Driver, adm
         pass  # the connection was checked by a first lock
     kill(admin, connection_id(connection))
     name = unique_name("raw-mysql-dead")
-    with pytest.raises(AdvisoryLockError, match="gone") as raised:
+    with pytest.raises(LockConnectionLost) as raised:
         advisory_lock(connection, name, timeout=1).acquire()
     assert isinstance(raised.value.__cause__, driver.module.OperationalError)
     assert holder(admin, name) is None
@@ -305,7 +305,7 @@ def test_a_closed_connection_reports_its_locks_lost_and_refuses_new_ones(
     assert not lock.held
     with pytest.raises(LockLost):
         lock.release()
-    with pytest.raises(AdvisoryLockError, match="closed"):
+    with pytest.raises(LockConnectionLost, match="closed"):
         advisory_lock(connection, unique_name("raw-mysql-after-close")).acquire()
     wait_for(lambda: holder(admin, name) is None, "the server let go of the closed session")
 

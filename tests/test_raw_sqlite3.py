@@ -22,7 +22,7 @@ import pytest
 
 from advisory_locks import (
     AdvisoryLock,
-    AdvisoryLockError,
+    LockConnectionLost,
     LockLost,
     UnsupportedFeature,
     advisory_lock,
@@ -199,7 +199,7 @@ def test_closing_the_connection_frees_its_lock_files_at_once(connect: Any, datab
     assert not lock.held
     with pytest.raises(LockLost):
         lock.release()
-    with pytest.raises(AdvisoryLockError, match="closed"):
+    with pytest.raises(LockConnectionLost, match="closed"):
         advisory_lock(connection, unique_name("raw-sqlite-after-close")).acquire()
     assert current_advisory_locks(connection) == []
 
