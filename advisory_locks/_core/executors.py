@@ -67,11 +67,16 @@ class DBAPIExecutor:
             if isinstance(version, str):
                 self.state[SERVER_VERSION_STATE] = version
 
+    def new_cursor(self) -> Any:
+        """A cursor that returns rows as sequences (a binding whose driver lets the
+        application choose another row type by default overrides this)."""
+        return self.connection.cursor()
+
     def execute(self, statement: Statement) -> object:
         with self._mutex:
             cursor = self._cursor
             if cursor is None or getattr(cursor, "closed", False) is True:
-                cursor = self._cursor = self.connection.cursor()
+                cursor = self._cursor = self.new_cursor()
             kind = statement.kind
             if kind == VALUE:
                 cursor.execute(statement.sql, tuple(statement.params))
