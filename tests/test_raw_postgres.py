@@ -8,8 +8,10 @@ the caller's transaction.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -497,6 +499,23 @@ def test_a_closed_connection_reports_its_locks_lost(connection_target: RawTarget
     assert not lock.held
     with pytest.raises(LockLost):
         lock.release()
+
+
+def test_a_dropped_connection_is_collected_and_its_session_ends(dsn: str, pg_admin: Admin) -> None:
+    # The library keeps nothing that would keep a connection alive: dropped without
+    # close() (with the lock object that still holds on it), the garbage collector
+    # closes it, and the server ends the session and its locks, as without the library.
+    name = unique_name("raw-dropped")
+    connection = psycopg.connect(dsn)
+    lock = advisory_lock(connection, name)
+    assert lock.acquire()
+    pid = connection.info.backend_pid
+    del connection, lock
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # psycopg's "not closed" warning
+        gc.collect()
+    wait_for(lambda: not backend_alive(pg_admin, pid), "the dropped connection's session ends")
+    assert is_free(dsn, name)
 
 
 # -- poolers ------------------------------------------------------------------------------------
