@@ -159,7 +159,7 @@ class Command(BaseCommand):
             ):
                 raise CommandError(
                     f"the table {LEASE_TABLE} does not exist in database {alias!r}: "
-                    "no lease was ever taken there"
+                    f"create it with manage.py migrate advisory_locks_django --database {alias}"
                 ) from error
             raise
         if options["json"]:
