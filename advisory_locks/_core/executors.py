@@ -67,8 +67,19 @@ class DBAPIExecutor:
                 self.state[SERVER_VERSION_STATE] = version
 
     def new_cursor(self) -> Any:
-        """A cursor that returns rows as sequences (a binding whose driver lets the
-        application choose another row type by default overrides this)."""
+        """A cursor that returns rows as sequences, whatever row type the application made
+        the connection's default (psycopg's ``row_factory=dict_row``, psycopg2's
+        ``cursor_factory=RealDictCursor``); a binding may override this for its driver."""
+        module = type(self.connection).__module__
+        # The driver is imported already: it made this connection.
+        if module.startswith("psycopg2"):
+            import psycopg2.extensions
+
+            return self.connection.cursor(cursor_factory=psycopg2.extensions.cursor)
+        if module == "psycopg" or module.startswith("psycopg."):
+            from psycopg.rows import tuple_row
+
+            return self.connection.cursor(row_factory=tuple_row)
         return self.connection.cursor()
 
     def execute(self, statement: Statement) -> object:
