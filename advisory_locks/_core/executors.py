@@ -74,8 +74,14 @@ class DBAPIExecutor:
         # The driver is imported already: it made this connection.
         if module.startswith("psycopg2"):
             import psycopg2.extensions
+            import psycopg2.extras
 
-            return self.connection.cursor(cursor_factory=psycopg2.extensions.cursor)
+            # Only rows that cannot be indexed by position need another cursor; any other
+            # factory the application set (one that logs or traces) stays in use.
+            factory = getattr(self.connection, "cursor_factory", None)
+            if isinstance(factory, type) and issubclass(factory, psycopg2.extras.RealDictCursor):
+                return self.connection.cursor(cursor_factory=psycopg2.extensions.cursor)
+            return self.connection.cursor()
         if module == "psycopg" or module.startswith("psycopg."):
             from psycopg.rows import tuple_row
 
