@@ -1,4 +1,6 @@
-"""``manage.py advisory_locks list|key``: the ``advisory-locks`` command, on Django's databases.
+"""``manage.py advisory_locks list|key|leases``: the ``advisory-locks`` command, on Django.
+
+Leases (``leases``) print the CLI's lease table for an alias's database.
 
 The listing and its table are the core CLI's (the backend's ``list_locks`` and
 ``advisory_locks._monitoring``, which also reads the Rails gem's query comments and guesses
@@ -16,9 +18,10 @@ from argparse import ArgumentParser
 from typing import Any, TextIO, cast
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from advisory_locks._core.steps import on, run_steps
+from advisory_locks._dialects.lease import LEASE_TABLE, lease_backend_for_dialect
 from advisory_locks._monitoring import (
     Identity,
     KnownNames,
@@ -26,6 +29,8 @@ from advisory_locks._monitoring import (
     key_arguments,
     key_details,
     key_document,
+    lease_document,
+    leases_table,
     lock_document,
     locks_table,
     mysql_key_details,
@@ -71,11 +76,18 @@ class Command(BaseCommand):
             "PostgreSQL's integer key(s), or the GET_LOCK name on MySQL/MariaDB",
         )
         key.add_argument("--json", action="store_true", help="print one JSON object")
+        leases = actions.add_parser(
+            "leases", help="lease locks: holder, fencing token, acquired, expires in"
+        )
+        leases.add_argument("--database", default=DEFAULT_DB_ALIAS, help="database alias")
+        leases.add_argument("--json", action="store_true", help="print a JSON array")
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             if options["action"] == "key":
                 self._key(options)
+            elif options["action"] == "leases":
+                self._leases(options)
             else:
                 self._list(options)
         except (AdvisoryLockError, TypeError, ValueError) as error:
@@ -127,6 +139,34 @@ class Command(BaseCommand):
             for key, identity in recognised.items():
                 shown = ",".join(map(str, key)) if isinstance(key, tuple) else str(key)
                 self.stdout.write(f"  {shown}  {_shown_name(identity)}")
+
+    def _leases(self, options: dict[str, Any]) -> None:
+        alias = options["database"]
+        if alias not in connections:
+            raise CommandError(f"unknown database alias {alias!r}")
+        wrapper = connections[alias]
+        backend = lease_backend_for_dialect(wrapper.vendor)
+        wrapper.ensure_connection()
+        executor = DjangoExecutor(wrapper, wrapper.connection, {})
+        try:
+            # Its own transaction: a failure (a missing table) must not leave the
+            # connection in an aborted one.
+            with transaction.atomic(using=alias):
+                rows = run_steps(on(executor, backend.list_leases()))
+        except Exception as error:
+            if backend.is_missing_table(error) or backend.is_missing_table(
+                error.__cause__ or error
+            ):
+                raise CommandError(
+                    f"the table {LEASE_TABLE} does not exist in database {alias!r}: "
+                    "no lease was ever taken there"
+                ) from error
+            raise
+        if options["json"]:
+            documents = [lease_document(row) for row in rows]
+            self.stdout.write(json.dumps(documents, ensure_ascii=False, indent=2))
+            return
+        self.stdout.write(leases_table(rows), ending="")
 
     def _known_names(self, alias: str, given: list[str]) -> KnownNames:
         """What each key in the listing stands for, where this process can tell."""
