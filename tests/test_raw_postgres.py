@@ -547,3 +547,34 @@ def test_a_pool_declaration_covers_its_connections(dsn: str) -> None:
 def test_declaring_an_unknown_pooler_mode_is_a_value_error(dsn: str) -> None:
     with psycopg.connect(dsn) as connection, pytest.raises(ValueError, match="pooler"):
         declare_pooler(connection, "pgbouncer")
+
+
+def test_a_psycopg_connection_with_dict_rows_locks_like_any_other(
+    dsn: str, pg_admin: psycopg.Connection[TupleRow]
+) -> None:
+    # The application's default row type must not reach the library's own statements.
+    from psycopg.rows import dict_row
+
+    name = unique_name()
+    with (
+        psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn,
+        advisory_lock(conn, name),
+    ):
+        assert holder_pids(pg_admin, name) == [conn.info.backend_pid]
+    assert holder_pids(pg_admin, name) == []
+
+
+def test_a_psycopg2_connection_with_real_dict_cursors_locks_like_any_other(
+    dsn: str, pg_admin: psycopg.Connection[TupleRow]
+) -> None:
+    import psycopg2.extras
+
+    name = unique_name()
+    conn = psycopg2.connect(dsn, cursor_factory=psycopg2.extras.RealDictCursor)
+    conn.autocommit = True
+    try:
+        with advisory_lock(conn, name):
+            assert holder_pids(pg_admin, name) == [conn.info.backend_pid]
+        assert holder_pids(pg_admin, name) == []
+    finally:
+        conn.close()

@@ -248,9 +248,9 @@ def _what(keys: tuple[LockKey, ...]) -> str:
     return f"advisory locks {[key.name for key in keys]!r}" if keys else "an advisory lock"
 
 
-def _no_connection(engine: Engine, what: str) -> LockConnectionTimeout:
+def _no_connection(engine: Engine, keys: tuple[LockKey, ...]) -> LockConnectionTimeout:
     return LockConnectionTimeout(
-        f"{what} needed a connection from the engine's pool and none came free within its "
+        f"{_what(keys)} needed a connection from the engine's pool and none came free within its "
         f"pool_timeout ({engine.pool.status()}). A thread or task holding a lock holds a "
         "connection: a Session that holds session locks keeps one (its transactions run "
         "on it), an Engine lock takes one per lock, besides any connection the thread "
@@ -260,7 +260,7 @@ def _no_connection(engine: Engine, what: str) -> LockConnectionTimeout:
     )
 
 
-def _check_out(engine: Engine, what: str) -> PoolProxiedConnection:
+def _check_out(engine: Engine, keys: tuple[LockKey, ...]) -> PoolProxiedConnection:
     """A pooled connection for locks, opened by this process; on a StaticPool in use,
     that use's own connection, counted once more, so that giving it back resets nothing
     under its user."""
@@ -270,7 +270,7 @@ def _check_out(engine: Engine, what: str) -> PoolProxiedConnection:
     try:
         return _own_connection(engine)
     except sqlalchemy_errors.TimeoutError as error:
-        raise _no_connection(engine, what) from error
+        raise _no_connection(engine, keys) from error
 
 
 def _opened_here(fairy: PoolProxiedConnection) -> bool:
@@ -278,9 +278,9 @@ def _opened_here(fairy: PoolProxiedConnection) -> bool:
     return connected is None or connected[0] == current_process_id()
 
 
-def _connect(engine: Engine, what: str) -> Connection:
+def _connect(engine: Engine, keys: tuple[LockKey, ...]) -> Connection:
     """A Connection for locks, on a connection checked out like ``_check_out``."""
-    return connection_on(engine, _check_out(engine, what))
+    return connection_on(engine, _check_out(engine, keys))
 
 
 def _give_back(fairy: PoolProxiedConnection, *, shared: bool) -> None:
@@ -607,9 +607,9 @@ class PooledBorrow(_SettledAtOnce):
 
     __slots__ = ("__weakref__", "_out", "_users", "engine", "executor", "fairy", "shared", "state")
 
-    def __init__(self, engine: Engine, backend: Backend, what: str) -> None:
+    def __init__(self, engine: Engine, backend: Backend, keys: tuple[LockKey, ...]) -> None:
         self.engine = engine
-        self.fairy = fairy = _check_out(engine, what)
+        self.fairy = fairy = _check_out(engine, keys)
         self._out = True
         self._users = 0
         self.state = connection_state(fairy.info, backend, fairy)
@@ -749,15 +749,15 @@ def _engine_borrows(engine: Engine) -> weakref.WeakSet[PooledBorrow]:
 class EngineSite:
     """Each lock takes its own pooled connection."""
 
-    __slots__ = ("backend", "engine", "what")
+    __slots__ = ("backend", "engine", "keys")
 
     def __init__(self, engine: Engine, keys: tuple[LockKey, ...] = ()) -> None:
         self.engine = engine
         self.backend = _backend_for(engine)
-        self.what = _what(keys)
+        self.keys = keys
 
     def borrow(self, *, transaction: bool) -> Any:
-        return PooledBorrow(self.engine, self.backend, self.what).lend()
+        return PooledBorrow(self.engine, self.backend, self.keys).lend()
 
     def held_names(self) -> list[LockName]:
         return [
@@ -786,7 +786,7 @@ class SharedEngineSite(EngineSite):
         # A borrow goes back to the pool once none of its locks is held, so a set taken
         # again after its release checks out a fresh one.
         if self._borrow is None or self._borrow.returned:
-            self._borrow = PooledBorrow(self.engine, self.backend, self.what)
+            self._borrow = PooledBorrow(self.engine, self.backend, self.keys)
         return self._borrow.lend()
 
 
@@ -821,12 +821,14 @@ class SessionPin:
         "state",
     )
 
-    def __init__(self, session: Session, engine: Engine, backend: Backend, what: str) -> None:
+    def __init__(
+        self, session: Session, engine: Engine, backend: Backend, keys: tuple[LockKey, ...]
+    ) -> None:
         joined = _transaction_connection_to(session, engine)
         if joined is not None:
             self.connection = connection_on(engine, check_out_again(joined.connection))
         else:
-            self.connection = _connect(engine, what)
+            self.connection = _connect(engine, keys)
             session.bind = self.connection
         self.session = weakref.ref(session)
         self.engine = engine
@@ -860,7 +862,13 @@ class SessionPin:
     def inside_transaction(self) -> bool:
         if AUTOCOMMIT_INFO_KEY in self.fairy.info:
             return False  # switched to autocommit by a lock, and no transaction began since
-        return _inside_transaction(self.fairy, self.connection, self.joined)
+        if self.shared:
+            return _inside_transaction(self.fairy, self.connection, self.joined)
+        # Nobody else has this connection: only the Session's transactions run on it.
+        joined = self.joined
+        if self.connection.in_transaction() or (joined is not None and joined.in_transaction()):
+            return not driver_autocommit(self.fairy.dbapi_connection)
+        return False
 
     def _needed(self) -> bool:
         # A lock object that is gone can no longer release its lock: what it left is
@@ -1036,7 +1044,7 @@ class SessionSite:
         if isinstance(bind, Connection):
             return _connection_borrow(bind, self.backend, transaction=False)
         if _routable(session, bind):
-            pin = SessionPin(session, bind, self.backend, _what(self.keys))
+            pin = SessionPin(session, bind, self.backend, self.keys)
             try:
                 return pin.borrow()
             except BaseException:
@@ -1045,7 +1053,7 @@ class SessionSite:
         self._refuse_waiting_for_itself(transaction=False)
         borrow = self._pooled_borrow()
         if borrow is None:
-            borrow = PooledBorrow(bind, self.backend, _what(self.keys))
+            borrow = PooledBorrow(bind, self.backend, self.keys)
             # Only the locks keep the borrow alive: once every lock object using it is
             # gone, its connection is collected and the pool guard unlocks what they
             # left, even while this Session lives on.
@@ -1058,7 +1066,7 @@ class SessionSite:
         except sqlalchemy_errors.TimeoutError as error:
             bind = self.session.get_bind()
             engine = bind if isinstance(bind, Engine) else bind.engine
-            raise _no_connection(engine, _what(self.keys)) from error
+            raise _no_connection(engine, self.keys) from error
 
     def _pooled_borrow(self) -> PooledBorrow | None:
         reference = self.session.info.get(SESSION_INFO_KEY)

@@ -68,8 +68,25 @@ class DBAPIExecutor:
                 self.state[SERVER_VERSION_STATE] = version
 
     def new_cursor(self) -> Any:
-        """A cursor that returns rows as sequences (a binding whose driver lets the
-        application choose another row type by default overrides this)."""
+        """A cursor that returns rows as sequences, whatever row type the application made
+        the connection's default (psycopg's ``row_factory=dict_row``, psycopg2's
+        ``cursor_factory=RealDictCursor``); a binding may override this for its driver."""
+        module = type(self.connection).__module__
+        # The driver is imported already: it made this connection.
+        if module.startswith("psycopg2"):
+            import psycopg2.extensions
+            import psycopg2.extras
+
+            # Only rows that cannot be indexed by position need another cursor; any other
+            # factory the application set (one that logs or traces) stays in use.
+            factory = getattr(self.connection, "cursor_factory", None)
+            if isinstance(factory, type) and issubclass(factory, psycopg2.extras.RealDictCursor):
+                return self.connection.cursor(cursor_factory=psycopg2.extensions.cursor)
+            return self.connection.cursor()
+        if module == "psycopg" or module.startswith("psycopg."):
+            from psycopg.rows import tuple_row
+
+            return self.connection.cursor(row_factory=tuple_row)
         return self.connection.cursor()
 
     def execute(self, statement: Statement) -> object:
