@@ -95,6 +95,13 @@ def _end_the_listener(admin: Any) -> None:
 @pytest.mark.postgresql
 @pytest.mark.django_db(transaction=True)
 class TestOnPostgreSQL:
+    @pytest.fixture(autouse=True)
+    def _no_listener_left(self, admin: Any) -> Iterator[None]:
+        # A waiting acquire opens the LISTEN connection, which idles on for 10 s and
+        # would keep pytest-django from dropping the test database after a short run.
+        yield
+        _end_the_listener(admin)
+
     def test_with_block_holds_a_row_of_the_lease_model_with_its_token(self) -> None:
         name = unique_name("lease")
         with lease_lock(name, ttl=10, key_prefix="") as lease:

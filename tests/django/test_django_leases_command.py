@@ -58,7 +58,7 @@ def test_leases_lists_a_lease_held_by_a_sqlalchemy_worker(alias_and_url: tuple[s
     name = unique_name()
     engine = create_engine(url)
     try:
-        with lease_lock(engine, name, ttl=30.0) as lease:
+        with lease_lock(engine, name, ttl=30.0, timeout=0) as lease:  # no LISTEN connection left
             rows = {
                 row["name"]: row
                 for row in json.loads(_command("leases", "--json", "--database", alias))
