@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TextIO
 
 from advisory_locks._dialects.base import LockedRow
+from advisory_locks._dialects.lease import LeaseRow
 from advisory_locks._dialects.mysql import server_lock_name
 from advisory_locks.keys import (
     CALLABLE_SCHEME,
@@ -42,6 +43,8 @@ __all__ = [
     "key_arguments",
     "key_details",
     "key_document",
+    "lease_document",
+    "leases_table",
     "lock_cells",
     "lock_document",
     "locks_table",
@@ -387,6 +390,50 @@ def lock_cells(row: LockedRow, identity: Identity, at_most: str = "≤") -> tupl
         row.client_addr or "local",
         row.state or "-",
     )
+
+
+def lease_document(row: LeaseRow) -> dict[str, Any]:
+    """One row of the lease table as a JSON object; times are the database server's."""
+    return {
+        "name": row.name,
+        "held": row.held,
+        "holder": row.holder,
+        "token": row.token,
+        "acquired_seconds_ago": row.held_for,
+        "expires_in_seconds": row.expires_in,
+    }
+
+
+def leases_table(rows: list[LeaseRow]) -> str:
+    """The rows of the lease table: who holds each lease, its fencing token, since when
+    and until when, all by the database server's clock (a client clock plays no part)."""
+    if not rows:
+        return "No leases in this database.\n"
+    header = ("NAME", "STATUS", "HOLDER", "TOKEN", "ACQUIRED", "EXPIRES IN")
+    cells = [header]
+    for row in rows:
+        if row.held:
+            status = "held"
+        elif row.holder is not None:
+            status = "expired"
+        else:
+            status = "free"
+        acquired = "-" if row.held_for is None else f"{_duration(row.held_for, '')} ago"
+        if row.expires_in is None:
+            expires = "-"
+        elif row.expires_in > 0:
+            expires = _duration(row.expires_in, "")
+        else:
+            expires = f"expired {_duration(-row.expires_in, '')} ago"
+        cells.append((row.name, status, row.holder or "-", str(row.token), acquired, expires))
+    widths = [max(len(line[column]) for line in cells) for column in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    ]
+    lines.append("")
+    lines.append("Times are the database server's; TOKEN counts the acquisitions of each name")
+    return "\n".join(lines) + "\n"
 
 
 def _name_cell(name: LockName | None) -> str:

@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from advisory_locks._monitoring import (
@@ -20,6 +21,8 @@ from advisory_locks._monitoring import (
     key_arguments,
     key_details,
     key_document,
+    lease_document,
+    leases_table,
     lock_document,
     locks_table,
     mysql_key_details,
@@ -39,6 +42,7 @@ from advisory_locks.keys import (
 
 if TYPE_CHECKING:
     from advisory_locks._dialects.base import LockedRow
+    from advisory_locks._dialects.lease import LeaseRow
 
 __all__ = ["main"]
 
@@ -98,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if arguments.command == "key":
             return _run_key(arguments, sys.stdout)
+        if arguments.command == "leases":
+            return _run_leases(arguments, sys.stdout)
         return _run_list(arguments, sys.stdout)
     except UsageError as error:
         print(f"{PROGRAM} {arguments.command}: {error}", file=sys.stderr)
@@ -193,6 +199,21 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --watch, stop after N listings",
     )
+
+    leases = commands.add_parser(
+        "leases",
+        help="show lease locks: holder, fencing token, acquired, expires in",
+        description="Show the lease locks of a PostgreSQL, MySQL, MariaDB or SQLite database "
+        "(the rows of advisory_locks_lease), timed by the database server's clock.",
+    )
+    leases.add_argument(
+        "--url",
+        help="database URL, e.g. postgresql://user@host/db or any SQLAlchemy URL "
+        f"(default: ${URL_ENVIRONMENT[0]}, then ${URL_ENVIRONMENT[1]})",
+    )
+    leases.add_argument(
+        "--json", action="store_true", help="print a JSON array, one object a lease"
+    )
     return parser
 
 
@@ -274,14 +295,75 @@ def _name_from(arguments: argparse.Namespace) -> LockName:
 # --- list ---------------------------------------------------------------------------------
 
 
-def _run_list(arguments: argparse.Namespace, out: TextIO) -> int:
-    url = arguments.url or next(
+def _url_from(arguments: argparse.Namespace) -> str:
+    url: str | None = arguments.url or next(
         (os.environ[name] for name in URL_ENVIRONMENT if os.environ.get(name)), None
     )
     if not url:
         raise UsageError(
             f"no database: pass --url or set ${URL_ENVIRONMENT[0]} or ${URL_ENVIRONMENT[1]}"
         )
+    return url
+
+
+def _run_leases(arguments: argparse.Namespace, out: TextIO) -> int:
+    rows = _fetch_leases(_url_from(arguments))
+    if arguments.json:
+        json.dump([lease_document(row) for row in rows], out, ensure_ascii=False, indent=2)
+        out.write("\n")
+    else:
+        out.write(leases_table(rows))
+    return 0
+
+
+def _fetch_leases(url_text: str) -> list[LeaseRow]:
+    """The rows of the lease table in the database at ``url_text``."""
+    try:
+        from sqlalchemy.exc import SQLAlchemyError
+    except ImportError:
+        raise UsageError("needs SQLAlchemy: pip install 'advisory-locks[sqlalchemy]'") from None
+    from advisory_locks._bindings.sqlalchemy_lease import CREATE_HINT
+    from advisory_locks._core.steps import on, run_steps
+    from advisory_locks._dialects.lease import lease_backend_for_dialect
+
+    shown = url_text
+    try:
+        url = _sync_url(url_text)
+        shown = url.render_as_string(hide_password=True)
+        backend = lease_backend_for_dialect(url.get_backend_name())
+        with _connected(url) as executor:
+            try:
+                rows: list[LeaseRow] = run_steps(on(executor, backend.list_leases()))
+            except Exception as error:
+                if backend.is_missing_table(error):
+                    raise UsageError(f"no leases on {shown}: {CREATE_HINT}") from None
+                raise UsageError(f"cannot list leases on {shown}: {_first_line(error)}") from None
+            return rows
+    except (SQLAlchemyError, AdvisoryLockError, ImportError, ValueError) as error:
+        raise UsageError(f"cannot list leases on {shown}: {_first_line(error)}") from None
+
+
+@contextlib.contextmanager
+def _connected(url: Any) -> Iterator[Any]:
+    """An executor on a new connection to ``url`` (closed at the end)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    from advisory_locks._core.executors import DBAPIExecutor
+
+    connect_args = {}
+    if url.get_driver_name() in ("psycopg", "psycopg2") and "connect_timeout" not in url.query:
+        connect_args["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
+    engine = create_engine(url, poolclass=NullPool, connect_args=connect_args)
+    try:
+        with engine.connect() as connection:
+            yield DBAPIExecutor(connection.connection.dbapi_connection)
+    finally:
+        engine.dispose()
+
+
+def _run_list(arguments: argparse.Namespace, out: TextIO) -> int:
+    url = _url_from(arguments)
     if not arguments.watch and (arguments.interval is not None or arguments.count is not None):
         raise UsageError("--interval and --count go with --watch")
     names = [*arguments.name, *_names_from_file(arguments.names_file)]

@@ -11,7 +11,12 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from advisory_locks._bindings.sqlalchemy import POOLER_OPTION, AsyncBind, SyncBind
+from advisory_locks._bindings.sqlalchemy import (
+    POOLER_OPTION,
+    AsyncBind,
+    LockConnectionTimeout,
+    SyncBind,
+)
 from advisory_locks._bindings.sqlalchemy_lease import create_lease_table, lease_table
 from advisory_locks._core.advisory import AdvisoryLock, AsyncAdvisoryLock
 from advisory_locks._core.contract import Timeout
@@ -29,6 +34,7 @@ __all__ = [
     "AdvisoryLockSessionMixin",
     "AsyncAdvisoryLockSession",
     "AsyncBind",
+    "LockConnectionTimeout",
     "SyncBind",
     "advisory_lock",
     "advisory_lock_set",

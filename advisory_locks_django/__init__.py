@@ -1,19 +1,23 @@
 """Django integration for advisory-locks: add ``"advisory_locks_django"`` to INSTALLED_APPS.
 
 Public API: ``advisory_lock()``, ``DjangoAdvisoryLock``,
-``current_advisory_locks()``, the managers and querysets, and the signals
+``current_advisory_locks()``, ``lease_lock()`` / ``DjangoLeaseLock`` (lease locks; the
+``Lease`` model is in ``advisory_locks_django.models``), the managers and querysets, and the signals
 ``lock_acquired``, ``lock_released`` and ``lock_failed``. See docs/django.md.
 """
 
 from advisory_locks.errors import (
     AdvisoryLockError,
+    LeaseTableMissing,
     LockDeadlock,
     LockLost,
     LockNotAcquired,
+    LockStolen,
     LockTimeout,
     UnsupportedDatabase,
     UnsupportedFeature,
 )
+from advisory_locks_django.leases import DjangoLeaseLock, lease_lock
 from advisory_locks_django.locks import DjangoAdvisoryLock, advisory_lock, current_advisory_locks
 from advisory_locks_django.managers import (
     AdvisoryLockManager,
@@ -30,14 +34,18 @@ __all__ = [
     "AdvisoryLockQuerySet",
     "AdvisoryLockQuerySetMixin",
     "DjangoAdvisoryLock",
+    "DjangoLeaseLock",
+    "LeaseTableMissing",
     "LockDeadlock",
     "LockLost",
     "LockNotAcquired",
+    "LockStolen",
     "LockTimeout",
     "UnsupportedDatabase",
     "UnsupportedFeature",
     "advisory_lock",
     "current_advisory_locks",
+    "lease_lock",
     "lock_acquired",
     "lock_failed",
     "lock_released",

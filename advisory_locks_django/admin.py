@@ -1,26 +1,25 @@
-"""The admin's "Database locks" page: the advisory locks held and awaited on each database.
+"""The app's admin: the "Database locks" page, and the ``Lease`` rows.
 
-A page of the app's admin: staff with the ``view_databaselock`` permission (superusers
-have it) see, per configured database, the same listing as ``manage.py advisory_locks
-list``, and the leases held, refreshed every few seconds.
+"Database locks" (the table-less ``DatabaseLock``): staff with the ``view_databaselock``
+permission (superusers have it) see, per configured database, the same listing as
+``manage.py advisory_locks list`` and the leases held, refreshed every few seconds.
 
-Django's admin lists an app's pages by model, and its permissions are per model, so the
-page has one: ``DatabaseLock``, without a table (``managed = False``) and without a
-migration (the app has none: Django creates the permission of an unmigrated app's model
-at ``migrate`` all the same). It is defined here rather than in ``models.py`` so that it
-exists only where the admin is installed: defining a model loads the default database's
-backend, which must not happen before the app's checks can say that a MySQL driver is
-missing.
+``Lease``: read-only, with each lease's holder, token and how long until it expires by the
+database server's clock.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Final, cast
 
+from django.apps import apps
 from django.conf import settings
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
-from django.db import connections, models
+from django.db import connections
+from django.db.models import DurationField, ExpressionWrapper, F, QuerySet
+from django.db.models.functions import Now
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
@@ -28,23 +27,13 @@ from django.utils import timezone
 
 from advisory_locks._monitoring import identify, lock_cells
 from advisory_locks_django.listing import DatabaseLocks, database_locks
+from advisory_locks_django.models import DatabaseLock, Lease
 
-__all__ = ["DatabaseLock", "DatabaseLockAdmin"]
+__all__ = ["DatabaseLockAdmin", "LeaseAdmin"]
 
 TEMPLATE: Final = "admin/advisory_locks_django/database_locks.html"
 REFRESH_SECONDS: Final = 5
 MAX_REFRESH_SECONDS: Final = 3600
-
-
-class DatabaseLock(models.Model):
-    """An advisory lock a database server holds or awaits (listed live, never stored)."""
-
-    class Meta:
-        app_label = "advisory_locks_django"
-        managed = False
-        default_permissions = ("view",)
-        verbose_name = "database lock"
-        verbose_name_plural = "database locks"
 
 
 if TYPE_CHECKING:
@@ -54,7 +43,6 @@ else:
     ModelAdmin = admin.ModelAdmin
 
 
-@admin.register(DatabaseLock)
 class DatabaseLockAdmin(ModelAdmin):
     """Lists the database servers' advisory locks; nothing to add, change or delete."""
 
@@ -160,3 +148,50 @@ def _seconds(seconds: float | None) -> str:
 
 def _name_text(name: object) -> str:
     return ", ".join(map(str, name)) if isinstance(name, tuple) else str(name)
+
+
+class LeaseAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+    list_display = ("name", "holder", "token", "acquired_at", "expires_in")
+    search_fields = ("name", "holder")
+    ordering = ("name",)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Lease]:
+        # The database's clock, as the library's: expires_at was written by it.
+        return cast(
+            "QuerySet[Lease]",
+            super()
+            .get_queryset(request)
+            .annotate(
+                expires_in_server=ExpressionWrapper(
+                    F("expires_at") - Now(), output_field=DurationField()
+                )
+            ),
+        )
+
+    @admin.display(description="expires in", ordering="expires_at")
+    def expires_in(self, lease: Any) -> str:
+        if lease.holder is None:
+            return "free"
+        remaining: timedelta = lease.expires_in_server
+        seconds = remaining.total_seconds()
+        if seconds <= 0:
+            return f"expired {_shown_seconds(-seconds)} ago"
+        return _shown_seconds(seconds)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+if apps.is_installed("django.contrib.admin"):  # imported by hand without it: no site
+    admin.site.register(DatabaseLock, DatabaseLockAdmin)
+    admin.site.register(Lease, LeaseAdmin)
+
+
+def _shown_seconds(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 600 else f"{seconds / 60:.0f}min"

@@ -39,6 +39,7 @@ DEFAULTS: Final[Mapping[str, Any]] = {
     "KEY_PREFIX": None,
     "SEND_SIGNALS": True,
     "POOLERS": {},
+    "LEASE_TTL": 30.0,
 }
 
 
@@ -50,6 +51,7 @@ class LockSettings:
     key_prefix: str | int | None
     send_signals: bool
     poolers: Mapping[str, str]
+    lease_ttl: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,7 @@ def lock_settings() -> LockSettings:
             key_prefix=merged["KEY_PREFIX"],
             send_signals=merged["SEND_SIGNALS"],
             poolers=dict(merged["POOLERS"]),
+            lease_ttl=float(merged["LEASE_TTL"]),
         )
     return _cached
 
@@ -172,6 +175,16 @@ def problems(raw: object) -> list[Problem]:
                 )
             )
     found += _pooler_problems(raw.get("POOLERS", {}))
+    lease_ttl = raw.get("LEASE_TTL", DEFAULTS["LEASE_TTL"])
+    if not _valid_timeout(lease_ttl) or lease_ttl == 0:
+        found.append(
+            Problem(
+                "advisory_locks.E009",
+                f"{SETTING}['LEASE_TTL'] must be seconds > 0, not {lease_ttl!r}.",
+                "The default ttl of lease_lock(): how long a lease lasts after each "
+                "renewal (default 30).",
+            )
+        )
     return found
 
 

@@ -35,20 +35,23 @@ def list_locks(alias: str) -> list[LockedRow]:
 
 
 def list_leases(alias: str) -> list[LeaseRow] | None:
-    """The leases someone holds, or held until they expired, in ``alias``'s database;
-    None where it has no lease table."""
+    """Every row of the lease table of ``alias``'s database (free ones too); None where
+    the database has no lease table."""
     backend = lease_backend_for_dialect(connections[alias].vendor)
     wrapper = connections[alias]
     wrapper.ensure_connection()
     executor = DjangoExecutor(wrapper, wrapper.connection, {})
     try:
+        # Its own transaction: a failure (a missing table) must not leave the connection
+        # in an aborted one.
         with transaction.atomic(using=alias):
-            rows = run_steps(on(executor, backend.list_leases()))
+            rows: list[LeaseRow] = run_steps(on(executor, backend.list_leases()))
     except Exception as error:
-        if backend.is_missing_table(error):
+        # Django wraps the driver's error; either may say the table is missing.
+        if backend.is_missing_table(error) or backend.is_missing_table(error.__cause__ or error):
             return None
         raise
-    return [row for row in rows if row.holder is not None]
+    return rows
 
 
 def known_names(alias: str, given: Iterable[LockName] = ()) -> KnownNames:
@@ -93,7 +96,9 @@ def database_locks(alias: str) -> DatabaseLocks:
         # without performance_schema, a server that is down.
         listing.problem = _one_line(error)
     try:
-        listing.leases = list_leases(alias)
+        leases = list_leases(alias)
+        # Held leases, and expired ones nobody took since; free rows are history.
+        listing.leases = None if leases is None else [r for r in leases if r.holder is not None]
     except Exception as error:
         listing.lease_problem = _one_line(error)
     return listing

@@ -52,7 +52,8 @@ def forward_lock_events(sender: type) -> None:
     """Send the signals, as ``sender``, for the lock events of Django's binding."""
 
     def forward(event: LockEvent) -> None:
-        if event.binding != "django":
+        # The signals are DjangoAdvisoryLock's: not SQLAlchemy's locks, nor leases.
+        if event.binding != "django" or event.scope == "lease":
             return
         if event.kind == "acquired":
             send(lock_acquired, sender, event, waited=event.waited)

@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine
@@ -50,6 +51,26 @@ def test_a_sqlalchemy_bind_loads_its_binding_on_first_use() -> None:
         assert "advisory_locks._bindings.sqlalchemy" not in sys.modules
         lock = advisory_locks.advisory_lock(create_engine("sqlite://"), "job")
         print(type(lock).__name__, "advisory_locks._bindings.sqlalchemy" in sys.modules)
+        """
+    )
+    assert output.split() == ["AdvisoryLock", "True"]
+
+
+def test_a_subclass_of_a_driver_connection_loads_its_binding_on_first_use(tmp_path: Path) -> None:
+    # sqlite3.connect(factory=...) makes an application's class, from the application's
+    # module: the binding is found through the class it derives from.
+    output = run_python(
+        f"""
+        import sqlite3, sys
+        import advisory_locks
+
+        class AppConnection(sqlite3.Connection):
+            pass
+
+        connection = sqlite3.connect({str(tmp_path / "app.sqlite3")!r}, factory=AppConnection)
+        assert "advisory_locks._bindings.sqlite3" not in sys.modules
+        with advisory_locks.advisory_lock(connection, "job", timeout=0) as lock:
+            print(type(lock).__name__, lock.held)
         """
     )
     assert output.split() == ["AdvisoryLock", "True"]

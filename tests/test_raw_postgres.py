@@ -8,8 +8,10 @@ the caller's transaction.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -499,6 +501,23 @@ def test_a_closed_connection_reports_its_locks_lost(connection_target: RawTarget
         lock.release()
 
 
+def test_a_dropped_connection_is_collected_and_its_session_ends(dsn: str, pg_admin: Admin) -> None:
+    # The library keeps nothing that would keep a connection alive: dropped without
+    # close() (with the lock object that still holds on it), the garbage collector
+    # closes it, and the server ends the session and its locks, as without the library.
+    name = unique_name("raw-dropped")
+    connection = psycopg.connect(dsn)
+    lock = advisory_lock(connection, name)
+    assert lock.acquire()
+    pid = connection.info.backend_pid
+    del connection, lock
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # psycopg's "not closed" warning
+        gc.collect()
+    wait_for(lambda: not backend_alive(pg_admin, pid), "the dropped connection's session ends")
+    assert is_free(dsn, name)
+
+
 # -- poolers ------------------------------------------------------------------------------------
 
 
@@ -528,3 +547,34 @@ def test_a_pool_declaration_covers_its_connections(dsn: str) -> None:
 def test_declaring_an_unknown_pooler_mode_is_a_value_error(dsn: str) -> None:
     with psycopg.connect(dsn) as connection, pytest.raises(ValueError, match="pooler"):
         declare_pooler(connection, "pgbouncer")
+
+
+def test_a_psycopg_connection_with_dict_rows_locks_like_any_other(
+    dsn: str, pg_admin: psycopg.Connection[TupleRow]
+) -> None:
+    # The application's default row type must not reach the library's own statements.
+    from psycopg.rows import dict_row
+
+    name = unique_name()
+    with (
+        psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn,
+        advisory_lock(conn, name),
+    ):
+        assert holder_pids(pg_admin, name) == [conn.info.backend_pid]
+    assert holder_pids(pg_admin, name) == []
+
+
+def test_a_psycopg2_connection_with_real_dict_cursors_locks_like_any_other(
+    dsn: str, pg_admin: psycopg.Connection[TupleRow]
+) -> None:
+    import psycopg2.extras
+
+    name = unique_name()
+    conn = psycopg2.connect(dsn, cursor_factory=psycopg2.extras.RealDictCursor)
+    conn.autocommit = True
+    try:
+        with advisory_lock(conn, name):
+            assert holder_pids(pg_admin, name) == [conn.info.backend_pid]
+        assert holder_pids(pg_admin, name) == []
+    finally:
+        conn.close()

@@ -448,7 +448,7 @@ async def test_a_cancelled_wait_is_never_granted_later(
         waiting = asyncio.create_task(asyncio.wait_for(lock.acquire(), 1.0))
         await wait_until(lambda: bool(waiter_pids(pg_admin, name)), "the wait is queued")
         [waiter] = waiter_pids(pg_admin, name)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(asyncio.TimeoutError):
             await waiting
         assert not lock.held
         # The server may still grant an abandoned wait; closing its connection is what
@@ -474,7 +474,7 @@ async def test_a_cancelled_wait_puts_no_locked_connection_back_in_the_pool(
         with psycopg.connect(dsn, autocommit=True) as holder:
             holder.execute("SELECT pg_advisory_lock(%s)", [unique_key(name)])
             for _ in range(3):
-                with pytest.raises(TimeoutError):
+                with pytest.raises(asyncio.TimeoutError):
                     await asyncio.wait_for(advisory_lock(pool, name).acquire(), 0.2)
             holder.execute("SELECT pg_advisory_unlock(%s)", [unique_key(name)])
         await wait_until(lambda: not waiter_pids(pg_admin, name), "the waiters are gone")

@@ -7,8 +7,9 @@ else is here, written once for blocking and asyncio drivers alike (the preparati
 borrow is steps, run by ``run_steps`` or awaited by ``arun_steps``):
 
 - ``ConnectionSite``: locks on a connection the caller owns. Its ``RawConnectionState``
-  (re-entrancy counts, the server check) is kept per physical driver connection in a
-  ``WeakKeyDictionary``, so it lives exactly as long as that connection.
+  (re-entrancy counts, the server check) is kept per physical driver connection, on the
+  connection itself where it has a ``__dict__``, else in a ``WeakKeyDictionary`` (the
+  driver's ``find_state`` / ``keep_state``), so it lives as long as that connection.
 - ``PoolSite``: a pool bind checks a connection out per lock, like an Engine, in
   autocommit, and returns it when the lock is released (a lock set shares one).
 
@@ -24,6 +25,9 @@ Transactions, decided here for every raw driver:
   with the driver switched to autocommit for that statement only (no round trip), so
   the lock never opens a transaction the application does not know about, neither when
   it is taken nor when it is released after the application's transaction ended.
+  Drivers whose lock statements begin no transaction (MySQL's ``GET_LOCK``, SQLite's
+  file locks) send them as they are instead (``autocommit_for_session_locks``): there,
+  switching autocommit on would commit the caller's transaction.
 - A transaction lock needs the driver's own transaction: ``conn.transaction()``, or a
   non-autocommit connection, where the lock statement begins the transaction as any
   statement does (DB-API's implicit BEGIN) and the lock lasts until ``commit()`` or
@@ -39,7 +43,8 @@ Errors that mean the connection is gone become ``ConnectionGone`` (an
 ``AdvisoryLockError``) at acquire and ``LockLost`` for a held lock, never a raw driver
 error. An acquire interrupted by cancellation (``asyncio.wait_for``, KeyboardInterrupt)
 closes the connection it waited on: the server may still grant the abandoned wait, and
-only closing makes sure nobody inherits that grant. A pool replaces it.
+only closing makes sure nobody inherits that grant. A pool replaces it. (Locks this
+process holds itself, SQLite's, leave nothing to grant: the connection stays.)
 
 Poolers: a connection whose server process id (told by the driver at connect) is not the
 one its statements run in reaches the server through a pooler or proxy; session locks
@@ -101,6 +106,10 @@ DECLARE_POOLER: Final = (
     "advisory_locks.declare_pooler(pool_or_connection, 'session') once, where the pool "
     "or connection is made"
 )
+
+
+# The attribute a connection that has a __dict__ keeps its state in.
+STATE_ATTRIBUTE: Final = "_advisory_locks_state"
 
 
 class ConnectionGone(LockConnectionLost):
@@ -173,6 +182,12 @@ class RawDriver:
     name: str = "dbapi"
     # How to open a transaction with this driver, for the refusal of transaction locks.
     open_transaction: str = "open one first (e.g. `with conn.transaction():`)"
+    # Whether a session lock's statements on an idle non-autocommit connection run with
+    # the driver switched to autocommit for that statement, so that they begin no
+    # transaction (PostgreSQL: any statement would). False where the lock statements
+    # never begin one and switching could end the caller's transaction (MySQL's SET
+    # autocommit=1 commits; sqlite3's isolation_level=None commits).
+    autocommit_for_session_locks: bool = True
 
     def physical(self, bind: Any) -> Any:
         """The driver connection ``bind`` stands for (None: no longer usable by it)."""
@@ -213,6 +228,34 @@ class RawDriver:
         """Close a connection that must not be used again (its server session ends)."""
         bind.close()
 
+    # The state of a connection, kept for exactly as long as the connection lives.
+    def new_state(self, backend: Backend) -> RawConnectionState:
+        return RawConnectionState(backend=backend)
+
+    def find_state(self, connection: Any) -> RawConnectionState | None:
+        """The state kept for ``connection`` (None before its first lock)."""
+        namespace = getattr(connection, "__dict__", None)
+        if namespace is not None:
+            found: RawConnectionState | None = namespace.get(STATE_ATTRIBUTE)
+            return found
+        return _states.get(connection)
+
+    def keep_state(self, connection: Any, state: RawConnectionState) -> None:
+        """Keep ``state`` for as long as ``connection`` lives (called once, under a
+        mutex); a driver whose connections can be neither given an attribute nor weakly
+        referenced (sqlite3) overrides this and ``find_state``."""
+        state.connection = weakref.ref(connection)
+        namespace = getattr(connection, "__dict__", None)
+        if namespace is not None:
+            # On the connection itself (psycopg 3, PyMySQL, mysqlclient): the state's
+            # executors refer to the connection, a cycle the garbage collector frees with
+            # it, so a connection dropped without close() still closes. In the weak
+            # mapping (psycopg2 and asyncpg connections have no __dict__) those references
+            # keep the connection alive.
+            namespace[STATE_ATTRIBUTE] = state
+        else:
+            _states[connection] = state
+
     # A pool bind's connections (for drivers that have pools).
     def checkout(self, pool: Any) -> Any:  # pragma: no cover - drivers with pools override
         raise TypeError(f"{type(pool).__name__} is not a pool")
@@ -247,10 +290,16 @@ class RawConnectionState(ConnectionState):
     driver: RawDriver
     connection: weakref.ReferenceType[Any]
     epoch: object
-    # Statements of session locks (switching a non-autocommit connection to autocommit
-    # while it is idle) and of transaction locks (in the driver's transaction).
-    session_executor: Any
-    transaction_executor: Any
+    _executors: tuple[Any, Any] | None = None
+
+    def executors(self, connection: Any) -> tuple[Any, Any]:
+        """The executors of session locks (switching a non-autocommit connection to
+        autocommit while it is idle, where the driver needs that) and of transaction
+        locks (in the driver's transaction), made once per connection."""
+        executors = self._executors
+        if executors is None:
+            executors = self._executors = new_executors(self.driver, connection, self)
+        return executors
 
     def observe(self) -> None:
         if not self.holdings and not self.pending_release:
@@ -269,45 +318,44 @@ class RawConnectionState(ConnectionState):
         if driver.status(connection) == IDLE and any(
             holding.transaction for holding in self.holdings.values()
         ):
-            self.transaction_ended()
+            # Committed or rolled back: the driver cannot tell which.
+            self.transaction_ended("transaction_ended")
 
 
 _states: weakref.WeakKeyDictionary[Any, RawConnectionState] = weakref.WeakKeyDictionary()
 _states_mutex = threading.Lock()
 
 
-def existing_state(connection: Any) -> RawConnectionState | None:
-    return _states.get(connection)
-
-
 def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnectionState:
     """The state of ``connection``, made on first use and brought up to date."""
-    state = _states.get(connection)
+    state = driver.find_state(connection)
     if state is None:
         with _states_mutex:
-            state = _states.get(connection)
+            state = driver.find_state(connection)
             if state is None:
-                state = RawConnectionState(backend=backend)
+                state = driver.new_state(backend)
                 state.driver = driver
-                state.connection = weakref.ref(connection)
                 state.epoch = driver.epoch(connection)
-                plain = driver.executor(connection, state.driver_state)
-                if isinstance(driver, AsyncRawDriver):
-                    state.transaction_executor = AsyncRaisingExecutor(plain, backend)
-                    state.session_executor = AutocommitExecutor(
-                        driver, connection, state.transaction_executor
-                    )
-                else:
-                    state.transaction_executor = RaisingExecutor(plain, backend)
-                    state.session_executor = SyncAutocommitExecutor(
-                        driver, connection, state.transaction_executor
-                    )
-                _states[connection] = state
+                driver.keep_state(connection, state)
                 return state
     state.observe()
     # With nothing held, observe() did not look; a reset session has nothing to forget.
     state.epoch = driver.epoch(connection)
     return state
+
+
+def new_executors(driver: RawDriver, connection: Any, state: RawConnectionState) -> tuple[Any, Any]:
+    """(session-lock executor, transaction-lock executor) for ``connection``."""
+    backend = state.backend
+    assert backend is not None
+    plain = driver.executor(connection, state.driver_state)
+    if isinstance(driver, AsyncRawDriver):
+        transaction: Any = AsyncRaisingExecutor(plain, backend)
+        return AutocommitExecutor(driver, connection, transaction), transaction
+    transaction = RaisingExecutor(plain, backend)
+    if not driver.autocommit_for_session_locks:
+        return transaction, transaction
+    return SyncAutocommitExecutor(driver, connection, transaction), transaction
 
 
 # -- executors ------------------------------------------------------------------------------
@@ -434,6 +482,11 @@ class ConnectionBorrow:
         pass
 
     def broken(self, error: BaseException) -> None:
+        if not isinstance(error, Exception) and not self.site.backend.locks_on_server:
+            # An interrupted wait for a lock this process holds itself (SQLite's file
+            # locks) leaves nothing behind that could be granted later: the backend
+            # closed its file. The caller's connection and its other locks stay.
+            return
         self._broken = True
 
     def _still_ours(self) -> bool:
@@ -493,7 +546,7 @@ class ConnectionSite:
             return None
         driver = self.driver
         connection = driver.physical(self.bind)
-        state = None if connection is None else _states.get(connection)
+        state = None if connection is None else driver.find_state(connection)
         if state is None or state.behind_proxy is not False or driver.is_closed(connection):
             return None
         state.observe()
@@ -501,14 +554,15 @@ class ConnectionSite:
         status = driver.status(connection)
         if state.pending_release or status == FAILED:
             return None
-        return ConnectionBorrow(self, connection, state.session_executor, state, status != IDLE)
+        executor = state.executors(connection)[0]
+        return ConnectionBorrow(self, connection, executor, state, status != IDLE)
 
     def run(self, steps: Steps[Any]) -> Awaitable[Any]:
         return arun_steps(steps, self)
 
     def held_names(self) -> list[LockName]:
         connection = self.driver.physical(self.bind)
-        state = None if connection is None else existing_state(connection)
+        state = None if connection is None else self.driver.find_state(connection)
         if state is None:
             return []
         state.observe()
@@ -531,20 +585,21 @@ class ConnectionSite:
                 "the connection's transaction failed; roll it back before taking a lock"
             )
         in_transaction = status != IDLE
+        session_executor, transaction_executor = state.executors(connection)
         if transaction:
             if not in_transaction and driver.autocommit(connection):
                 raise UnsupportedFeature(
                     "transaction=True needs a transaction, and this connection has none "
                     f"open: {driver.open_transaction}, or take a session lock instead"
                 )
-            executor = state.transaction_executor
+            executor = transaction_executor
             if in_transaction:
                 yield from forget_ended_transaction_locks(state, executor)
             # On an idle non-autocommit connection the lock statement begins the driver's
             # transaction, which the lock must then protect like the caller's own.
             in_transaction = True
         else:
-            executor = state.session_executor
+            executor = session_executor
         yield from check_server(
             state,
             executor,
@@ -556,7 +611,7 @@ class ConnectionSite:
         )
         if state.pending_release and status == IDLE:
             # A failed transaction postponed these unlocks and has ended since.
-            yield from finish_pending_releases(state, state.session_executor)
+            yield from finish_pending_releases(state, session_executor)
         return ConnectionBorrow(self, connection, executor, state, in_transaction)
 
 
@@ -574,13 +629,13 @@ def forget_ended_transaction_locks(state: RawConnectionState, executor: Any) -> 
     assert backend is not None
     for holding in [h for h in state.holdings.values() if h.transaction]:
         if holding.count <= 0:
-            state.forget(holding)
+            state.end(holding, "transaction_ended")
             continue
         held = yield from on(
             executor, backend.is_held(state.driver_state, holding.key, shared=holding.shared)
         )
         if not held:
-            state.forget(holding)
+            state.end(holding, "transaction_ended")
 
 
 # -- a pool bind ---------------------------------------------------------------------------
@@ -609,7 +664,7 @@ class PooledBorrow:
         self.bind = bind
         self.connection = site.driver.physical(bind)
         self.state = state_for(site.driver, self.connection, site.backend)
-        self.executor = self.state.transaction_executor
+        self.executor = self.state.executors(self.connection)[1]
         self.in_transaction = False
         self.previous_autocommit: bool | None = None
         self._action: str | None = None

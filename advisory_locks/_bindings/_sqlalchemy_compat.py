@@ -8,16 +8,28 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Connection
+from sqlalchemy.pool import StaticPool
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+    from sqlalchemy.orm import Session
+    from sqlalchemy.pool import Pool, PoolProxiedConnection
 
 __all__ = [
     "adapter_begin_if_needed",
+    "check_out_again",
+    "connection_on",
     "cut_from_pool",
+    "give_back_without_reset",
+    "is_newest_checkout",
     "pool_entry",
     "report_disconnect",
     "report_pooled_disconnect",
+    "session_has_binds",
+    "static_pool_checkout",
     "transaction_connections",
 ]
 
@@ -45,6 +57,82 @@ def adapter_begin_if_needed(adapter: Any, await_: Callable[[Any], Any]) -> None:
     """
     if not adapter.autocommit and adapter._transaction is None:
         await_(adapter._start_transaction())
+
+
+def check_out_again(fairy: PoolProxiedConnection) -> PoolProxiedConnection:
+    """Count one more checkout of a connection that is checked out already.
+
+    ``close()`` then gives back one checkout; the connection returns to its pool (and is
+    reset) only when the last one is given back. This is what SingletonThreadPool does
+    for a thread's second ``connect()`` (``_ConnectionFairy._checkout_existing``).
+    Checked against SQLAlchemy 2.0.58 and 2.1.9.
+    """
+    again: PoolProxiedConnection = fairy._checkout_existing()
+    return again
+
+
+def static_pool_checkout(pool: Pool) -> PoolProxiedConnection | None:
+    """The checkout that is using a StaticPool's one connection right now, if any.
+
+    A StaticPool hands its connection to every checkout, each with its own proxy, and
+    any proxy that goes back resets the connection under the others. Its one
+    ``_ConnectionRecord`` is the pool's memoized ``connection`` attribute; the record's
+    ``fairy_ref`` names the newest checkout. Checked against SQLAlchemy 2.0.58 and 2.1.9.
+    """
+    if not isinstance(pool, StaticPool):
+        return None
+    record = pool.__dict__.get("connection")
+    reference = getattr(record, "fairy_ref", None)
+    fairy = reference() if reference is not None else None
+    if fairy is None or fairy.dbapi_connection is None:
+        return None
+    return fairy  # type: ignore[no-any-return]
+
+
+def is_newest_checkout(fairy: PoolProxiedConnection) -> bool:
+    """Whether ``fairy`` is its connection's newest checkout.
+
+    Under a StaticPool a later checkout of the same connection supersedes an earlier one;
+    SQLAlchemy never returns a superseded proxy to the pool (its finalizer sees that the
+    record's ``fairy_ref`` names another proxy), so dropping it resets nothing. Checked
+    against SQLAlchemy 2.0.58 and 2.1.9.
+    """
+    record = getattr(fairy, "_connection_record", None)
+    reference = getattr(record, "fairy_ref", None)
+    return reference is not None and reference() is fairy
+
+
+def give_back_without_reset(fairy: PoolProxiedConnection) -> None:
+    """Give back a checkout without the pool's reset (its rollback on return).
+
+    ``_ConnectionFairy._close_special(transaction_reset=True)`` is what
+    ``Connection.close()`` uses once it rolled back its own transaction. Only for a
+    connection that another user's transaction is open on: the rollback would be theirs.
+    Checked against SQLAlchemy 2.0.58 and 2.1.9.
+    """
+    fairy._close_special(transaction_reset=True)
+
+
+def connection_on(engine: Engine, fairy: PoolProxiedConnection) -> Connection:
+    """A Connection of ``engine`` on a checkout the caller already made.
+
+    ``Connection(engine, connection=...)`` is how ``Engine.connect()`` builds one; the
+    parameter is in the signature but documented only as internal use. Checked against
+    SQLAlchemy 2.0.58 and 2.1.9.
+    """
+    connection_class: Any = engine._connection_cls
+    connection: Connection = connection_class(engine, fairy)
+    return connection
+
+
+def session_has_binds(session: Session) -> bool:
+    """Whether the Session routes some mappers or tables to binds of their own.
+
+    SQLAlchemy 2.1 made the mapping public as ``Session.binds``; 2.0 keeps it in the
+    name-mangled ``__binds``. Checked against SQLAlchemy 2.0.58 and 2.1.9.
+    """
+    binds = session.__dict__.get("binds", session.__dict__.get("_Session__binds"))
+    return bool(binds)
 
 
 def report_disconnect(connection: Any, error: Exception) -> None:

@@ -3,11 +3,17 @@
 Where a lock lives, by bind:
 
 - ``Connection``: on that connection. Re-entrancy is counted per DB-API connection.
-- ``Session``: a session lock runs on a connection the Session checks out of its engine's
-  pool for as long as it holds session locks, so ``commit()``/``rollback()`` (which give
-  the Session's own connection back to the pool) neither release nor leak it. A
-  transaction lock runs on ``session.connection()``, inside the Session's transaction.
+- ``Session``: a session lock runs on one connection the Session keeps for as long as it
+  holds session locks (its *lock connection*), so ``commit()``/``rollback()`` (which give
+  the Session's own connection back to the pool) neither release nor leak it. While it is
+  kept, the Session's transactions run on it too (``session.bind`` is that Connection), so
+  a Session never holds two pooled connections and never waits for itself. A transaction
+  lock runs on ``session.connection()``, inside the Session's transaction.
 - ``Engine``: each lock checks out its own connection and returns it after release.
+
+Single-connection pools (``StaticPool``, ``SingletonThreadPool``): the connection a lock
+gets is the one the application is using. The lock joins the transaction it may have
+open, never switches its mode, and never gives it back in a way that resets it.
 
 Pool guard: a connection that comes back to the pool while this library still records a
 session lock on it is unlocked before anyone else can check it out, or discarded.
@@ -20,22 +26,36 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from sqlalchemy import event
+from sqlalchemy import exc as sqlalchemy_errors
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
-from sqlalchemy.pool import Pool, PoolProxiedConnection
+from sqlalchemy.pool import (
+    AssertionPool,
+    Pool,
+    PoolProxiedConnection,
+    SingletonThreadPool,
+    StaticPool,
+)
 from sqlalchemy.sql.expression import SavepointClause
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from advisory_locks._bindings._sqlalchemy_compat import (
     adapter_begin_if_needed,
+    check_out_again,
+    connection_on,
     cut_from_pool,
+    give_back_without_reset,
+    is_newest_checkout,
     pool_entry,
     report_disconnect,
     report_pooled_disconnect,
+    session_has_binds,
+    static_pool_checkout,
     transaction_connections,
 )
 from advisory_locks._core.advisory import (
@@ -57,12 +77,18 @@ from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import (
     DBAPIExecutor,
     driver_autocommit,
+    driver_in_transaction,
     restore_driver_autocommit,
     set_driver_autocommit,
 )
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, Steps, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
-from advisory_locks.errors import LockConnectionLost, UnsupportedFeature
+from advisory_locks.errors import (
+    AdvisoryLockError,
+    LockConnectionLost,
+    LockUsageError,
+    UnsupportedFeature,
+)
 from advisory_locks.keys import LockKey, LockName
 
 logger = logging.getLogger("advisory_locks")
@@ -71,7 +97,14 @@ if TYPE_CHECKING:
     from sqlalchemy.engine.interfaces import DBAPIConnection, Dialect
     from sqlalchemy.pool import ConnectionPoolEntry
 
-__all__ = ["POOLER_OPTION", "AsyncBind", "SQLAlchemyBinding", "SyncBind", "sync_bind"]
+__all__ = [
+    "POOLER_OPTION",
+    "AsyncBind",
+    "LockConnectionTimeout",
+    "SQLAlchemyBinding",
+    "SyncBind",
+    "sync_bind",
+]
 
 SyncBind: TypeAlias = Session | Connection | Engine
 AsyncBind: TypeAlias = AsyncSession | AsyncConnection | AsyncEngine
@@ -81,6 +114,13 @@ STATE_INFO_KEY: Final = "advisory_locks.state"
 EXECUTOR_INFO_KEY: Final = "advisory_locks.executor"
 AUTOCOMMIT_INFO_KEY: Final = "advisory_locks.restore_autocommit"
 SESSION_INFO_KEY: Final = "advisory_locks.session_connection"
+# In a Session's info: its SessionPin, while it keeps a lock connection.
+PIN_INFO_KEY: Final = "advisory_locks.session_pin"
+# In a pooled connection's info: the lock checkouts that hold it now (see _guard_checkin).
+LOCK_CHECKOUTS_INFO_KEY: Final = "advisory_locks.lock_checkouts"
+# Pools that hand the same DB-API connection to more than one checkout: everything a lock
+# does on it, the application's other users of the pool see.
+SINGLE_CONNECTION_POOLS: Final = (StaticPool, SingletonThreadPool, AssertionPool)
 # (process id, weak reference to the pool entry), recorded when the DB-API connection opens.
 CONNECTED_INFO_KEY: Final = "advisory_locks.connected"
 # Execution option declaring what sits between the engine and the server:
@@ -89,6 +129,17 @@ CONNECTED_INFO_KEY: Final = "advisory_locks.connected"
 POOLER_OPTION: Final = "advisory_locks_pooler"
 TRANSACTION_POOLER_DECLARED: Final = f"the engine declares {POOLER_OPTION}='transaction'"
 DECLARE_POOLER: Final = f"create_engine(..., execution_options={{'{POOLER_OPTION}': 'session'}})"
+
+
+class LockConnectionTimeout(AdvisoryLockError, sqlalchemy_errors.TimeoutError):
+    """A lock needed a connection from the engine's pool and none came free in time.
+
+    Raised instead of SQLAlchemy's pool ``TimeoutError`` (which it also is, so handlers
+    for that keep working), with a message that says how to size the pool.
+    """
+
+
+LockConnectionTimeout.__module__ = "advisory_locks.sqlalchemy"
 
 
 def _declared_pooler(execution_options: Any) -> object:
@@ -103,7 +154,8 @@ class SQLAlchemyBinding:
 
     def lock(self, bind: Any, key: LockKey, options: LockOptions) -> Any:
         sync = sync_bind(bind)
-        lock = AdvisoryLock(_site_for(sync, transaction=options.transaction), key, options)
+        site = _site_for(sync, transaction=options.transaction, keys=(key,), shared=options.shared)
+        lock = AdvisoryLock(site, key, options)
         if sync is bind:
             return lock
         return AsyncAdvisoryLock(lock, _run_in_greenlet(lock._site))
@@ -116,9 +168,11 @@ class SQLAlchemyBinding:
         if isinstance(sync, Engine) and not options.transaction:
             # One connection for the whole set: a connection per lock could exhaust the
             # pool while the set waits for its next lock.
-            site = SharedEngineSite(sync)
+            site = SharedEngineSite(sync, tuple(keys))
         else:
-            site = _site_for(sync, transaction=options.transaction)
+            site = _site_for(
+                sync, transaction=options.transaction, keys=tuple(keys), shared=options.shared
+            )
         lock_set = AdvisoryLockSet(
             site, (AdvisoryLock(site, key, options) for key in keys), timeout=timeout
         )
@@ -168,7 +222,9 @@ def sync_bind(bind: object) -> SyncBind:
     )
 
 
-def _site_for(bind: SyncBind, *, transaction: bool) -> Any:
+def _site_for(
+    bind: SyncBind, *, transaction: bool, keys: tuple[LockKey, ...] = (), shared: bool = False
+) -> Any:
     if isinstance(bind, Connection):
         return ConnectionSite(bind)
     if isinstance(bind, Engine):
@@ -177,12 +233,91 @@ def _site_for(bind: SyncBind, *, transaction: bool) -> Any:
                 "transaction=True needs a transaction, and an Engine has none: pass a "
                 "Connection or Session inside a transaction, or use a session lock"
             )
-        return EngineSite(bind)
-    return SessionSite(bind)
+        return EngineSite(bind, keys)
+    return SessionSite(bind, keys, shared=shared)
 
 
 def _backend_for(engine: Engine) -> Backend:
     return backend_for_dialect(engine.dialect.name)
+
+
+def _what(keys: tuple[LockKey, ...]) -> str:
+    """How errors name the lock(s) a site serves."""
+    if len(keys) == 1:
+        return f"advisory lock {keys[0].name!r}"
+    return f"advisory locks {[key.name for key in keys]!r}" if keys else "an advisory lock"
+
+
+def _no_connection(engine: Engine, keys: tuple[LockKey, ...]) -> LockConnectionTimeout:
+    return LockConnectionTimeout(
+        f"{_what(keys)} needed a connection from the engine's pool and none came free within its "
+        f"pool_timeout ({engine.pool.status()}). A thread or task holding a lock holds a "
+        "connection: a Session that holds session locks keeps one (its transactions run "
+        "on it), an Engine lock takes one per lock, besides any connection the thread "
+        "holds already. Make pool_size + max_overflow at least the number of threads or "
+        "tasks that hold connections at once, or take the lock on a Connection or "
+        "Session that is open already."
+    )
+
+
+def _check_out(engine: Engine, keys: tuple[LockKey, ...]) -> PoolProxiedConnection:
+    """A pooled connection for locks, opened by this process; on a StaticPool in use,
+    that use's own connection, counted once more, so that giving it back resets nothing
+    under its user."""
+    in_use = static_pool_checkout(engine.pool)
+    if in_use is not None and _opened_here(in_use):
+        return check_out_again(in_use)
+    try:
+        return _own_connection(engine)
+    except sqlalchemy_errors.TimeoutError as error:
+        raise _no_connection(engine, keys) from error
+
+
+def _opened_here(fairy: PoolProxiedConnection) -> bool:
+    connected = fairy.info.get(CONNECTED_INFO_KEY)
+    return connected is None or connected[0] == current_process_id()
+
+
+def _connect(engine: Engine, keys: tuple[LockKey, ...]) -> Connection:
+    """A Connection for locks, on a connection checked out like ``_check_out``."""
+    return connection_on(engine, _check_out(engine, keys))
+
+
+def _give_back(fairy: PoolProxiedConnection, *, shared: bool) -> None:
+    """Give back a lock's checkout, never resetting a connection someone else now uses.
+
+    A StaticPool checkout that a later one superseded is not the pool's to reset any
+    more: SQLAlchemy drops such a proxy without touching the connection, and so do we.
+    A shared connection with a transaction open on it goes back without the pool's
+    rollback, which would end that transaction.
+    """
+    if fairy.dbapi_connection is None:
+        fairy.close()
+    elif not is_newest_checkout(fairy):
+        return
+    elif shared and _inside_transaction(fairy):
+        give_back_without_reset(fairy)
+    else:
+        fairy.close()
+
+
+def _lock_checkouts(info: dict[Any, Any]) -> weakref.WeakSet[Any]:
+    """The lock checkouts holding this pooled connection now (on a single-connection
+    pool, another user's checkout can go back while a lock still holds it)."""
+    checkouts = info.get(LOCK_CHECKOUTS_INFO_KEY)
+    if not isinstance(checkouts, weakref.WeakSet):
+        checkouts = info[LOCK_CHECKOUTS_INFO_KEY] = weakref.WeakSet()
+    return checkouts
+
+
+def _inside_transaction(fairy: PoolProxiedConnection, *connections: Connection | None) -> bool:
+    """Whether a statement sent now on this connection runs inside an open transaction,
+    which a lock must join rather than end: one SQLAlchemy began on it, or one the driver
+    reports (another user of a single-connection pool, or the driver used directly)."""
+    if any(connection is not None and connection.in_transaction() for connection in connections):
+        # SQLAlchemy keeps "transactions" on AUTOCOMMIT connections too; none is open.
+        return not driver_autocommit(fairy.dbapi_connection)
+    return driver_in_transaction(fairy.driver_connection) is True
 
 
 def connection_state(
@@ -222,9 +357,12 @@ def executor_for(fairy: PoolProxiedConnection | ConnectionPoolEntry, info: dict[
         return cached
     state = connection_state(info).driver_state
     driver = fairy.driver_connection
+    module = type(driver).__module__
     executor: Any
-    if type(driver).__module__.startswith("asyncpg"):
+    if module.startswith("asyncpg"):
         executor = AdaptedAsyncpgExecutor(dbapi_connection, driver, state)
+    elif driver is not dbapi_connection and module == "psycopg":
+        executor = AdaptedPsycopgExecutor(dbapi_connection, driver, state)
     else:
         executor = DBAPIExecutor(dbapi_connection, state)
     info[EXECUTOR_INFO_KEY] = executor
@@ -262,6 +400,36 @@ def _numbered(sql: str) -> str:
     # asyncpg's placeholders are $1, $2, ...; a statement's text has "%s" only as those.
     parts = sql.split("%s")
     return parts[0] + "".join(f"${position}{part}" for position, part in enumerate(parts[1:], 1))
+
+
+class AdaptedPsycopgExecutor:
+    """Executor for SQLAlchemy's adapter of psycopg's AsyncConnection.
+
+    The adapter's cursor takes no ``prepare`` argument, and psycopg prepares every
+    statement with ``prepare_threshold=0``, which a script of several statements cannot
+    be: scripts go to the AsyncConnection itself, unprepared. The driver keeps the
+    transaction state, so both paths see the same transaction.
+    """
+
+    __slots__ = ("_driver", "_executor")
+
+    def __init__(self, adapter: Any, driver: Any, state: dict[str, Any]) -> None:
+        self._executor = DBAPIExecutor(adapter, state)
+        self._driver = driver
+
+    @property
+    def connection(self) -> Any:
+        return self._executor.connection
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self._executor.state
+
+    def execute(self, statement: Statement) -> object:
+        if statement.kind == SCRIPT:
+            await_only(self._driver.execute(statement.sql, prepare=False))
+            return None
+        return self._executor.execute(statement)
 
 
 class ConnectionSite:
@@ -331,7 +499,9 @@ class ConnectionBorrow(_SettledAtOnce):
             # A session lock must not open a transaction that SQLAlchemy does not know
             # about, on an idle connection or at a release after the caller's transaction
             # ended; it runs as autocommit whenever no transaction is open.
-            self.executor = _AutocommitExecutor(connection, fairy)
+            self.executor = _AutocommitExecutor(
+                fairy, lambda: _inside_transaction(fairy, connection)
+            )
         self.connection = connection
         self.state = connection_state(info, backend)
         run_steps(
@@ -345,8 +515,8 @@ class ConnectionBorrow(_SettledAtOnce):
                 transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
             )
         )
-        self.in_transaction = connection.in_transaction()
-        if self.state.pending_release and not self.in_transaction:
+        self.in_transaction = transaction or _inside_transaction(fairy, connection)
+        if self.state.pending_release and not connection.in_transaction():
             # A failed transaction postponed these unlocks and has ended since.
             run_steps(finish_pending_releases(self.state, self.executor))
 
@@ -357,7 +527,7 @@ class ConnectionBorrow(_SettledAtOnce):
         if isinstance(error, Exception):
             # Gone: SQLAlchemy's own disconnect handling, pool and all.
             report_disconnect(self.connection, error)
-        elif not self.connection.invalidated:
+        elif not (self.connection.invalidated or self.connection.closed):
             # Interrupted mid-statement: this connection's state is unknown.
             self.connection.invalidate()
 
@@ -383,25 +553,41 @@ def _connection_borrow(
 
 
 class _AutocommitExecutor:
-    """Runs each statement with the DB-API connection in autocommit, if SQLAlchemy has
-    no transaction open on it at that moment; inside the caller's transaction otherwise."""
+    """Runs each statement with the DB-API connection in autocommit, unless ``inside()``
+    says a transaction is open on it, which the statement then joins.
 
-    __slots__ = ("connection", "fairy")
+    The mode is put back exactly as it was: at once, after that one statement, so that
+    whoever else uses the connection finds the mode they configured; or, with
+    ``persist``, when SQLAlchemy next begins a transaction on the connection or takes it
+    back (a Session's lock connection: one switch per lock, not two per statement).
+    """
 
-    def __init__(self, connection: Connection, fairy: PoolProxiedConnection) -> None:
-        self.connection = connection
+    __slots__ = ("fairy", "inside", "persist")
+
+    def __init__(
+        self, fairy: PoolProxiedConnection, inside: Callable[[], bool], *, persist: bool = False
+    ) -> None:
         self.fairy = fairy
+        self.inside = inside
+        self.persist = persist
 
     @property
     def state(self) -> dict[str, Any]:
         return connection_state(self.fairy.info).driver_state
 
     def execute(self, statement: Statement) -> object:
-        dbapi = self.fairy.dbapi_connection
-        executor = executor_for(self.fairy, self.fairy.info)
-        if self.connection.in_transaction() or driver_autocommit(dbapi):
+        fairy = self.fairy
+        info = fairy.info
+        executor = executor_for(fairy, info)
+        if AUTOCOMMIT_INFO_KEY in info or self.inside():
+            return executor.execute(statement)
+        dbapi = fairy.dbapi_connection
+        if driver_autocommit(dbapi):
             return executor.execute(statement)
         previous = set_driver_autocommit(dbapi, True)
+        if self.persist:
+            info[AUTOCOMMIT_INFO_KEY] = (previous,)
+            return executor.execute(statement)
         try:
             return executor.execute(statement)
         finally:
@@ -409,30 +595,50 @@ class _AutocommitExecutor:
 
 
 class PooledBorrow(_SettledAtOnce):
-    """A connection checked out of an engine's pool for locks only, in autocommit mode.
+    """A connection checked out of an engine's pool for locks only.
 
-    Autocommit keeps every acquire and release to one round trip, and means nothing the
-    lock does can be rolled back underneath it.
+    It runs in autocommit (set once at checkout, put back at checkin): every acquire and
+    release is one round trip, and nothing the lock does can be rolled back underneath
+    it. On a single-connection pool the connection is the application's too: it is
+    left in the mode the application gave it, locks join the transaction it may have
+    open, and giving it back never resets it under its other user.
+
+    It goes back to the pool once every lock it was lent to is done with it.
     """
 
-    __slots__ = ("__weakref__", "engine", "executor", "fairy", "in_transaction", "state")
+    __slots__ = ("__weakref__", "_out", "_users", "engine", "executor", "fairy", "shared", "state")
 
-    in_transaction: bool
-
-    def __init__(self, engine: Engine, backend: Backend) -> None:
+    def __init__(self, engine: Engine, backend: Backend, keys: tuple[LockKey, ...]) -> None:
         self.engine = engine
-        self.fairy = _own_connection(engine)
-        self.state = connection_state(self.fairy.info, backend, self.fairy)
+        self.fairy = fairy = _check_out(engine, keys)
+        self._out = True
+        self._users = 0
+        self.state = connection_state(fairy.info, backend, fairy)
+        self.shared = (
+            isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
+            or driver_in_transaction(fairy.driver_connection) is True
+        )
+        if self.shared:
+            _lock_checkouts(fairy.info).add(self)
         try:
-            dbapi = self.fairy.dbapi_connection
-            if backend.locks_on_server and not driver_autocommit(dbapi):
-                self.fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
-            self.executor: Any = executor_for(self.fairy, self.fairy.info)
+            dbapi = fairy.dbapi_connection
+            if self.shared:
+                # The application's connection too: its mode stays as the application set
+                # it, and a transaction open on it is joined (see _AutocommitExecutor).
+                self.executor: Any = (
+                    _AutocommitExecutor(fairy, lambda: _inside_transaction(fairy))
+                    if backend.locks_on_server
+                    else executor_for(fairy, fairy.info)
+                )
+            else:
+                if backend.locks_on_server and not driver_autocommit(dbapi):
+                    fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
+                self.executor = executor_for(fairy, fairy.info)
             run_steps(
                 check_server(
                     self.state,
                     self.executor,
-                    self.fairy.driver_connection,
+                    fairy.driver_connection,
                     pooler=_declared_pooler(engine.get_execution_options()),
                     session_lock=True,
                     declare_pooler=DECLARE_POOLER,
@@ -443,35 +649,59 @@ class PooledBorrow(_SettledAtOnce):
             if isinstance(error, Exception) and (
                 backend.is_connection_failure(error) or self.is_disconnect(error)
             ):
-                report_pooled_disconnect(engine, self.fairy, error)
-                self.fairy.close()
+                self._out = False
+                _lock_checkouts(fairy.info).discard(self)
+                report_pooled_disconnect(engine, fairy, error)
+                fairy.close()
                 raise LockConnectionLost(str(error)) from error
-            self.fairy.close()
+            self._give_back()
             raise
-        self.in_transaction = False
         _engine_borrows(engine).add(self)
+
+    def lend(self) -> PooledBorrow:
+        self._users += 1
+        return self
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.shared and _inside_transaction(self.fairy)
 
     @property
     def returned(self) -> bool:
-        return self.fairy.dbapi_connection is None
+        return not self._out or self.fairy.dbapi_connection is None
+
+    def _give_back(self) -> None:
+        if not self._out:
+            return
+        self._out = False
+        _engine_borrows(self.engine).discard(self)
+        _lock_checkouts(self.fairy.info).discard(self)
+        _give_back(self.fairy, shared=self.shared)
 
     def done(self) -> None:
-        if self.state.holdings or self.state.pending_release or self.returned:
-            return
-        _engine_borrows(self.engine).discard(self)
-        self.fairy.close()
+        self._users -= 1
+        if self._users <= 0:
+            self._give_back()
 
     def broken(self, error: BaseException) -> None:
-        _engine_borrows(self.engine).discard(self)
-        if self.returned:
+        self._users -= 1
+        if not self._out:
             return
-        if isinstance(error, Exception):
-            # Gone: SQLAlchemy's own disconnect handling, pool and all.
-            report_pooled_disconnect(self.engine, self.fairy, error)
-        else:
-            # Interrupted mid-statement: this connection's state is unknown.
-            self.fairy.invalidate()
-        self.fairy.close()
+        self._out = False
+        _engine_borrows(self.engine).discard(self)
+        fairy = self.fairy
+        if fairy.dbapi_connection is None:
+            return
+        _lock_checkouts(fairy.info).discard(self)
+        try:
+            if isinstance(error, Exception):
+                # Gone: SQLAlchemy's own disconnect handling, pool and all.
+                report_pooled_disconnect(self.engine, fairy, error)
+            else:
+                # Interrupted mid-statement: this connection's state is unknown.
+                fairy.invalidate()
+        finally:
+            fairy.close()
 
     def is_disconnect(self, error: Exception) -> bool:
         return _dialect_disconnect(self.engine.dialect, error, self.fairy)
@@ -520,15 +750,16 @@ def _engine_borrows(engine: Engine) -> weakref.WeakSet[PooledBorrow]:
 class EngineSite:
     """Each lock takes its own pooled connection."""
 
-    __slots__ = ("backend", "engine")
+    __slots__ = ("backend", "engine", "keys")
     binding = "sqlalchemy"
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, keys: tuple[LockKey, ...] = ()) -> None:
         self.engine = engine
         self.backend = _backend_for(engine)
+        self.keys = keys
 
     def borrow(self, *, transaction: bool) -> Any:
-        return PooledBorrow(self.engine, self.backend)
+        return PooledBorrow(self.engine, self.backend, self.keys).lend()
 
     def held_names(self) -> list[LockName]:
         return [
@@ -549,66 +780,379 @@ class SharedEngineSite(EngineSite):
 
     __slots__ = ("_borrow",)
 
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine)
+    def __init__(self, engine: Engine, keys: tuple[LockKey, ...] = ()) -> None:
+        super().__init__(engine, keys)
         self._borrow: PooledBorrow | None = None
 
     def borrow(self, *, transaction: bool) -> Any:
         # A borrow goes back to the pool once none of its locks is held, so a set taken
         # again after its release checks out a fresh one.
         if self._borrow is None or self._borrow.returned:
-            self._borrow = PooledBorrow(self.engine, self.backend)
-        return self._borrow
+            self._borrow = PooledBorrow(self.engine, self.backend, self.keys)
+        return self._borrow.lend()
+
+
+class SessionPin:
+    """The one connection a Session keeps while it holds session locks.
+
+    Session locks must outlive the Session's transactions, whose connection SQLAlchemy
+    gives back to the pool at every commit and rollback. A connection of their own next to
+    the Session's would make each Session hold two: threads that each hold one and wait
+    for a second then time out on a pool they could have shared, and a session lock and
+    a transaction lock of one Session on one name wait for each other. So, for as long as
+    it holds session locks, the Session's transactions run on the lock connection
+    (``session.bind`` is that Connection). It goes back to the pool once no session lock
+    is held on it and no transaction of the Session runs on it.
+
+    A Session already inside a transaction when it takes its first session lock takes
+    it on that transaction's connection, checked out once more so that it stays out
+    when the transaction ends (``joined``); the Session's next transactions run on it.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_borrow",
+        "_pinned",
+        "backend",
+        "connection",
+        "engine",
+        "fairy",
+        "joined",
+        "session",
+        "shared",
+        "state",
+    )
+
+    def __init__(
+        self, session: Session, engine: Engine, backend: Backend, keys: tuple[LockKey, ...]
+    ) -> None:
+        joined = _transaction_connection_to(session, engine)
+        if joined is not None:
+            self.connection = connection_on(engine, check_out_again(joined.connection))
+        else:
+            self.connection = _connect(engine, keys)
+            session.bind = self.connection
+        self.session = weakref.ref(session)
+        self.engine = engine
+        self.backend = backend
+        self.joined = joined
+        self.fairy = self.connection.connection
+        self.state = connection_state(self.fairy.info, backend, self.fairy)
+        self._borrow: weakref.ref[PinnedBorrow] | None = None
+        self._pinned = True
+        # As for PooledBorrow: a connection handed out inside a transaction is someone
+        # else's too.
+        self.shared = isinstance(engine.pool, SINGLE_CONNECTION_POOLS) or (
+            joined is None and driver_in_transaction(self.fairy.driver_connection) is True
+        )
+        session.info[PIN_INFO_KEY] = self
+        if self.shared:
+            _lock_checkouts(self.fairy.info).add(self)
+
+    @property
+    def usable(self) -> bool:
+        return self._pinned and not self.connection.closed and not self.connection.invalidated
+
+    def borrow(self) -> PinnedBorrow:
+        borrow = self._borrow() if self._borrow is not None else None
+        if borrow is None:
+            borrow = PinnedBorrow(self)
+            pin = weakref.ref(self)
+            self._borrow = weakref.ref(borrow, lambda _: _lock_objects_gone(pin))
+        return borrow
+
+    def inside_transaction(self) -> bool:
+        if AUTOCOMMIT_INFO_KEY in self.fairy.info:
+            return False  # switched to autocommit by a lock, and no transaction began since
+        if self.shared:
+            return _inside_transaction(self.fairy, self.connection, self.joined)
+        # Nobody else has this connection: only the Session's transactions run on it.
+        joined = self.joined
+        if self.connection.in_transaction() or (joined is not None and joined.in_transaction()):
+            return not driver_autocommit(self.fairy.dbapi_connection)
+        return False
+
+    def _needed(self) -> bool:
+        # A lock object that is gone can no longer release its lock: what it left is
+        # released by the pool guard when the connection goes back.
+        alive = self._borrow is not None and self._borrow() is not None
+        return alive and bool(self.state.session_holdings())
+
+    def _in_use_by_session(self) -> bool:
+        return self.joined is None and self.connection.in_transaction()
+
+    def lock_done(self) -> None:
+        if not self.state.session_holdings() and not self._in_use_by_session():
+            self.unpin()
+
+    def lock_objects_gone(self) -> None:
+        if not self._pinned or self._in_use_by_session():
+            return  # the end of the Session's transaction gives it back
+        if self.engine.dialect.is_async:
+            # Collected outside SQLAlchemy's greenlet, where no I/O can run: leave the
+            # connection to SQLAlchemy's own clean-up of unreturned connections.
+            self._unbind()
+            return
+        self.unpin()
+
+    def transaction_ended(self) -> None:
+        if not self._pinned:
+            return
+        if self.joined is not None:
+            # The transaction it was joined to gave its connection back; ours stays out.
+            self.joined = None
+            session = self.session()
+            if self._needed() and session is not None and session.bind is self.engine:
+                session.bind = self.connection
+                return
+        if not self._needed():
+            self.unpin()
+
+    def broken(self, error: BaseException) -> None:
+        connection = self.connection
+        try:
+            if isinstance(error, Exception):
+                # Gone: SQLAlchemy's own disconnect handling, pool and all.
+                report_disconnect(connection, error)
+            elif not (connection.closed or connection.invalidated):
+                # Interrupted mid-statement: this connection's state is unknown.
+                connection.invalidate()
+        finally:
+            self.unpin()
+
+    def _unbind(self) -> None:
+        self._pinned = False
+        _lock_checkouts(self.fairy.info).discard(self)
+        session = self.session()
+        if session is None:
+            return
+        if session.info.get(PIN_INFO_KEY) is self:
+            del session.info[PIN_INFO_KEY]
+        if session.bind is self.connection:
+            session.bind = self.engine
+
+    def unpin(self) -> None:
+        if not self._pinned:
+            return
+        self._unbind()
+        connection = self.connection
+        if connection.closed:
+            return
+        if connection.invalidated or not self.shared or connection.in_transaction():
+            connection.close()
+        else:
+            # No transaction of the Session is open on it (else it would be kept), but
+            # its other users' may be: give the checkout back as _give_back does.
+            _give_back(self.fairy, shared=True)
+
+
+def _lock_objects_gone(pin: weakref.ref[SessionPin]) -> None:
+    alive = pin()
+    if alive is not None:
+        alive.lock_objects_gone()
+
+
+def _transaction_connection_to(session: Session, engine: Engine) -> Connection | None:
+    """The Connection the Session's transaction already has to ``engine``'s pool."""
+    transaction = session.get_transaction()
+    if transaction is None:
+        return None
+    for connection in transaction_connections(transaction):
+        if (
+            connection.engine.pool is engine.pool
+            and not (connection.closed or connection.invalidated)
+            and not connection_state(connection.info).inherited
+        ):
+            return connection  # type: ignore[no-any-return]
+    return None
+
+
+class PinnedBorrow(_SettledAtOnce):
+    """Session locks on a Session's lock connection (see SessionPin)."""
+
+    __slots__ = ("__weakref__", "executor", "pin", "state")
+
+    def __init__(self, pin: SessionPin) -> None:
+        self.pin = pin
+        fairy = pin.fairy
+        self.state = pin.state
+        if pin.backend.locks_on_server:
+            # Others may use the connection of a single-connection pool without
+            # SQLAlchemy beginning anything on it: switch only for each statement there.
+            self.executor: Any = _AutocommitExecutor(
+                fairy, pin.inside_transaction, persist=not pin.shared
+            )
+        else:
+            self.executor = executor_for(fairy, fairy.info)
+        if self.state.inherited:
+            return  # a forked child's copy: nothing may be sent (the lock refuses it)
+        try:
+            run_steps(
+                check_server(
+                    self.state,
+                    self.executor,
+                    fairy.driver_connection,
+                    pooler=_declared_pooler(pin.connection.get_execution_options()),
+                    session_lock=True,
+                    declare_pooler=DECLARE_POOLER,
+                    transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
+                )
+            )
+        except Exception as error:
+            if not (pin.backend.is_connection_failure(error) or self.is_disconnect(error)):
+                raise
+            pin.broken(error)
+            raise LockConnectionLost(str(error)) from error
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.pin.inside_transaction()
+
+    def done(self) -> None:
+        self.pin.lock_done()
+
+    def broken(self, error: BaseException) -> None:
+        self.pin.broken(error)
+
+    def is_disconnect(self, error: Exception) -> bool:
+        return _dialect_disconnect(self.pin.engine.dialect, error, self.pin.fairy)
 
 
 class SessionSite:
-    """Session locks on one pooled connection per Session; transaction locks in its
+    """Session locks on the Session's lock connection; transaction locks in its
     transaction."""
 
-    __slots__ = ("backend", "session")
+    __slots__ = ("backend", "keys", "session", "shared")
     binding = "sqlalchemy"
 
-    def __init__(self, session: Session) -> None:
+    def __init__(
+        self, session: Session, keys: tuple[LockKey, ...] = (), *, shared: bool = False
+    ) -> None:
         self.session = session
+        self.keys = keys
+        self.shared = shared
         bind = session.get_bind()
         self.backend = _backend_for(bind if isinstance(bind, Engine) else bind.engine)
 
     def borrow(self, *, transaction: bool) -> Any:
+        session = self.session
+        pin = _session_pin(session)
         if transaction:
-            return _connection_borrow(self.session.connection(), self.backend, transaction=True)
-        bind = self.session.get_bind()
+            if pin is None:
+                self._refuse_waiting_for_itself(transaction=True)
+            return _connection_borrow(self._session_connection(), self.backend, transaction=True)
+        if pin is not None:
+            return pin.borrow()
+        bind = session.get_bind()
         if isinstance(bind, Connection):
             return _connection_borrow(bind, self.backend, transaction=False)
+        if _routable(session, bind):
+            pin = SessionPin(session, bind, self.backend, self.keys)
+            try:
+                return pin.borrow()
+            except BaseException:
+                pin.lock_done()
+                raise
+        self._refuse_waiting_for_itself(transaction=False)
         borrow = self._pooled_borrow()
         if borrow is None:
-            borrow = PooledBorrow(bind, self.backend)
+            borrow = PooledBorrow(bind, self.backend, self.keys)
             # Only the locks keep the borrow alive: once every lock object using it is
             # gone, its connection is collected and the pool guard unlocks what they
             # left, even while this Session lives on.
-            self.session.info[SESSION_INFO_KEY] = weakref.ref(borrow)
-        return borrow
+            session.info[SESSION_INFO_KEY] = weakref.ref(borrow)
+        return borrow.lend()
+
+    def _session_connection(self) -> Connection:
+        try:
+            return self.session.connection()
+        except sqlalchemy_errors.TimeoutError as error:
+            bind = self.session.get_bind()
+            engine = bind if isinstance(bind, Engine) else bind.engine
+            raise _no_connection(engine, self.keys) from error
 
     def _pooled_borrow(self) -> PooledBorrow | None:
         reference = self.session.info.get(SESSION_INFO_KEY)
         borrow = reference() if isinstance(reference, weakref.ref) else None
         return borrow if isinstance(borrow, PooledBorrow) and not borrow.returned else None
 
+    def _refuse_waiting_for_itself(self, *, transaction: bool) -> None:
+        """A Session that routes its statements itself (its own get_bind(), binds per
+        mapper) keeps session locks on a connection of their own, apart from its
+        transaction's: one name taken in both scopes would wait for itself there."""
+        if transaction:
+            borrow = self._pooled_borrow()
+            others = [] if borrow is None else [borrow.state]
+        else:
+            others = _transaction_states(self.session)
+        for state in others:
+            for key in self.keys:
+                for held_shared in (False, True):
+                    if self.shared and held_shared:
+                        continue  # shared locks admit each other
+                    if state.find(key, shared=held_shared, transaction=not transaction):
+                        raise LockUsageError(
+                            f"this Session holds {key.name!r} as a "
+                            f"{'session' if transaction else 'transaction'} lock on another "
+                            "of its connections, so taking it as a "
+                            f"{'transaction' if transaction else 'session'} lock would wait "
+                            "for itself. This Session routes its statements itself (its "
+                            "get_bind() or binds), so its session locks cannot share its "
+                            "transaction's connection: take the name in one scope only"
+                        )
+
     def held_names(self) -> list[LockName]:
-        names: list[LockName] = []
+        states: dict[int, ConnectionState] = {}
+        pin = _session_pin(self.session)
+        if pin is not None:
+            states[id(pin.state)] = pin.state
         borrow = self._pooled_borrow()
         if borrow is not None:
-            names += borrow.state.names()
+            states[id(borrow.state)] = borrow.state
+        for state in _transaction_states(self.session):
+            states[id(state)] = state
         bind = self.session.get_bind()
         # A Session bound to a Connection takes its session locks on that connection.
-        connections = {bind} if isinstance(bind, Connection) else set()
-        transaction = self.session.get_transaction()
-        if transaction is not None:
-            # Only connections the transaction already has can hold its locks. Asking
-            # for one would connect, which an AsyncSession cannot do from sync code.
-            connections.update(transaction_connections(transaction))
-        for connection in connections:
-            names += ConnectionSite(connection).held_names()
-        return names
+        if isinstance(bind, Connection) and not (bind.closed or bind.invalidated):
+            state = connection_state(bind.info)
+            states[id(state)] = state
+        return [name for state in states.values() for name in state.names()]
+
+
+def _session_pin(session: Session) -> SessionPin | None:
+    pin = session.info.get(PIN_INFO_KEY)
+    if not isinstance(pin, SessionPin):
+        return None
+    if pin.state.inherited:
+        # A forked child's copy of its parent's Session: the lock connection and its
+        # locks are the parent's. The child's Session goes back to its engine (for a
+        # connection of the child's own), touching nothing of the parent's.
+        pin._unbind()
+        return None
+    return pin if pin.usable else None
+
+
+def _routable(session: Session, bind: Engine) -> bool:
+    """Whether the Session sends every statement to ``session.bind`` (so its transactions
+    can run on the lock connection), rather than choosing binds itself."""
+    return (
+        session.bind is bind
+        and type(session).get_bind is Session.get_bind
+        and not session_has_binds(session)
+    )
+
+
+def _transaction_states(session: Session) -> list[ConnectionState]:
+    transaction = session.get_transaction()
+    if transaction is None:
+        return []
+    # Only connections the transaction already has can hold its locks. Asking for one
+    # would connect, which an AsyncSession cannot do from sync code.
+    return [
+        connection_state(connection.info)
+        for connection in transaction_connections(transaction)
+        if not (connection.closed or connection.invalidated)
+    ]
 
 
 # -- events: transaction ends, savepoints, and the pool guard ------------------------------
@@ -676,6 +1220,14 @@ def _connection_gone(info: dict[Any, Any]) -> None:
 
 @event.listens_for(Engine, "begin")
 def _transaction_began(connection: Connection) -> None:
+    if connection.invalidated or connection.closed:
+        return
+    restore = connection.info.pop(AUTOCOMMIT_INFO_KEY, None)
+    if restore is not None:
+        # A Session's lock connection left in autocommit by its locks: the Session's
+        # transaction needs the mode the application configured, before its first
+        # statement.
+        restore_driver_autocommit(connection.connection.dbapi_connection, restore[0])
     state = _state_of(connection)
     if state is not None and state.pending_release:
         fairy = connection.connection
@@ -703,6 +1255,18 @@ def _savepoint_released(connection: Connection, name: str, context: object) -> N
     state = _state_of(connection)
     if state is not None:
         state.savepoint_released(name)
+
+
+@event.listens_for(Session, "after_transaction_end")
+def _session_transaction_ended(session: Session, transaction: Any) -> None:
+    # After SQLAlchemy gave back (or kept, for a Connection bind) the transaction's
+    # connections: a Session's lock connection may go back to the pool now, or, joined
+    # to the transaction that just ended, becomes the Session's bind.
+    if transaction.parent is not None:
+        return
+    pin = session.info.get(PIN_INFO_KEY)
+    if isinstance(pin, SessionPin):
+        pin.transaction_ended()
 
 
 @event.listens_for(Pool, "connect")
@@ -736,7 +1300,9 @@ def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionP
     try:
         if isinstance(state, ConnectionState):
             state.transaction_ended("rollback")
-            if state.session_holdings():
+            # On a single-connection pool another user's checkout comes back while a
+            # lock's own checkout still holds the connection: its locks stay.
+            if state.session_holdings() and not _lock_checkouts(info):
                 run_steps(release_session_locks(state, executor_for(record, info)))
                 # Unless it is in autocommit, the driver opened a transaction for the
                 # unlocks. Rolling it back keeps them (session unlocks ignore rollback)

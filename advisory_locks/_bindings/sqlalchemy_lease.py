@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 
-from advisory_locks._bindings.sqlalchemy import executor_for, sync_bind
+from advisory_locks._bindings.sqlalchemy import POOLER_OPTION, executor_for, sync_bind
 from advisory_locks._core.executors import (
     DBAPIExecutor,
     driver_autocommit,
@@ -28,6 +28,7 @@ from advisory_locks._core.executors import (
     restore_driver_autocommit,
     set_driver_autocommit,
 )
+from advisory_locks._core.listener import LISTENING_DRIVERS, ReleaseListener
 from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
 from advisory_locks.errors import UnsupportedFeature
 
@@ -147,6 +148,19 @@ class _RenewalConnection:
         self.fairy.close()
 
 
+class _ListenConnection:
+    __slots__ = ("driver", "fairy")
+
+    def __init__(self, fairy: PoolProxiedConnection) -> None:
+        self.fairy = fairy
+        self.driver = fairy.driver_connection
+
+    def close(self) -> None:
+        # Never back to a pool: it is still LISTENing.
+        self.fairy.invalidate()
+        self.fairy.close()
+
+
 class SQLAlchemyLeaseSite:
     """The leases of one Engine's database."""
 
@@ -156,29 +170,54 @@ class SQLAlchemyLeaseSite:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.backend: LeaseBackend = lease_backend_for_dialect(engine.dialect.name)
+        # A copy of the Engine's pool for the renewer's and the listener's connections.
         self._renewal_pool: Any = None
+        self._listener: ReleaseListener | None = None
 
     def borrow(self, *, transaction: bool) -> LeaseBorrow:
         return LeaseBorrow(self.engine)
 
     def renewal_connection(self) -> _RenewalConnection:
-        if self._renewal_pool is None:
-            self._renewal_pool = self.engine.pool.recreate()
-        fairy = self._renewal_pool.connect()
+        return _RenewalConnection(self._renewal_fairy())
+
+    def release_listener(self) -> ReleaseListener | None:
+        """The listener that wakes this Engine's waiters, or None where LISTEN cannot
+        work: another database, a driver without notifications, or an Engine declared
+        behind a transaction pooler (which would LISTEN on a server connection it then
+        hands to someone else)."""
+        if self.backend.listen_sql is None or self.engine.dialect.driver not in LISTENING_DRIVERS:
+            return None
+        if self.engine.get_execution_options().get(POOLER_OPTION) == "transaction":
+            return None
+        with _sites_lock:
+            if self._listener is None:
+                self._listener = ReleaseListener(self._listen_connection, self.backend.listen_sql)
+            return self._listener
+
+    def _listen_connection(self) -> _ListenConnection:
+        fairy = self._renewal_fairy()
+        return _ListenConnection(fairy)
+
+    def _renewal_fairy(self) -> PoolProxiedConnection:
+        with _sites_lock:
+            if self._renewal_pool is None:
+                self._renewal_pool = self.engine.pool.recreate()
+            pool = self._renewal_pool
+        fairy: PoolProxiedConnection = pool.connect()
         try:
             dbapi = fairy.dbapi_connection
+            assert dbapi is not None
             if not driver_autocommit(dbapi):
                 if driver_in_transaction(dbapi):
                     # Connect events may have left a transaction open (psycopg refuses
                     # to switch to autocommit inside one).
                     dbapi.rollback()
                 set_driver_autocommit(dbapi, True)
-            connection = _RenewalConnection(fairy)
         except BaseException:
             fairy.invalidate()
             fairy.close()
             raise
-        return connection
+        return fairy
 
     def fence_executor(self, bind: object) -> Any:
         if isinstance(bind, Session):
@@ -207,7 +246,7 @@ class SQLAlchemyLeaseSite:
 
 
 _sites: weakref.WeakKeyDictionary[Engine, SQLAlchemyLeaseSite] = weakref.WeakKeyDictionary()
-_sites_lock = threading.Lock()
+_sites_lock = threading.RLock()
 
 
 def lease_site(bind: Any) -> SQLAlchemyLeaseSite:

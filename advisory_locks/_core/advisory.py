@@ -389,7 +389,15 @@ class AdvisoryLock(LockContract):
                 borrowed.executor,
                 backend.release(state.driver_state, self.key_info, shared=self.options.shared),
             )
-        except Exception as error:
+        except BaseException as error:
+            if not isinstance(error, Exception):
+                # Interrupted (task cancelled, KeyboardInterrupt): whether the server ran
+                # the unlock is unknown. Discarding the connection ends the lock either
+                # way, and gives the connection back now rather than to the collector.
+                state.forget(holding)
+                borrowed.broken(error)
+                yield Settle(borrowed)
+                raise
             if backend.is_failed_transaction(error):
                 # The caller's transaction failed inside the block; the server rejects
                 # every statement until it ends, and session locks survive its rollback.

@@ -218,9 +218,10 @@ class ConnectionState:
     def names(self) -> list[LockName]:
         return [h.key.name for h in self.holdings.values() if h.active]
 
-    def transaction_ended(self, reason: str = "commit") -> None:
-        """The server released every transaction lock (at a ``"commit"`` or a
-        ``"rollback"``); forget them."""
+    def transaction_ended(self, reason: str) -> None:
+        """The server released every transaction lock (``reason``: ``"commit"``,
+        ``"rollback"``, or ``"transaction_ended"`` where the binding cannot tell which);
+        forget them."""
         with self.mutex:
             self.savepoints.clear()
             ended = [h for h in self.holdings.values() if h.transaction]

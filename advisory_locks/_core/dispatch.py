@@ -99,7 +99,13 @@ def binding_for(bind: object) -> Binding:
         return binding
     binding = _registered_for(cls)
     if binding is None:
-        modules = BINDING_MODULES.get(cls.__module__.partition(".")[0], ())
+        # The classes it derives from count too: an application's subclass of a driver's
+        # connection (sqlite3's factory=, an instrumented PyMySQL Connection) is one.
+        modules = dict.fromkeys(
+            module
+            for base in cls.__mro__
+            for module in BINDING_MODULES.get(base.__module__.partition(".")[0], ())
+        )
         with _first_use:
             # Importing registers; one thread at a time, so no thread sees a module that
             # another is still importing.

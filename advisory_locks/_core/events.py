@@ -68,7 +68,8 @@ class LockEvent:
         the grant was not reported).
     :param reason: ``not_acquired``: ``"busy"`` (``timeout=0``), ``"timeout"``,
         ``"deadlock"`` or ``"error"``. ``released``: ``"unlock"``, ``"commit"``,
-        ``"rollback"`` (also a savepoint's), ``"connection_closed"``,
+        ``"rollback"`` (also a savepoint's), ``"transaction_ended"`` (a raw driver
+        connection, which cannot tell a commit from a rollback), ``"connection_closed"``,
         ``"request_finished"`` (Django: taken in a request, still held at its end),
         ``"lost"`` or, for a lease, ``"stolen"``. ``lost``: ``"connection_closed"``,
         ``"connection_failed"``, ``"not_held"`` (the server no longer holds it),

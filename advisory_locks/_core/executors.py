@@ -28,6 +28,7 @@ __all__ = [
 
 # psycopg 3 TransactionStatus.IDLE (libpq's PQTRANS_IDLE); psycopg2 uses the same numbers.
 PQTRANS_IDLE: Final = 0
+PQTRANS_UNKNOWN: Final = 4
 # MySQL's SERVER_STATUS_IN_TRANS flag in the status word of every OK packet.
 SERVER_STATUS_IN_TRANS: Final = 1
 
@@ -66,11 +67,33 @@ class DBAPIExecutor:
             if isinstance(version, str):
                 self.state[SERVER_VERSION_STATE] = version
 
+    def new_cursor(self) -> Any:
+        """A cursor that returns rows as sequences, whatever row type the application made
+        the connection's default (psycopg's ``row_factory=dict_row``, psycopg2's
+        ``cursor_factory=RealDictCursor``); a binding may override this for its driver."""
+        module = type(self.connection).__module__
+        # The driver is imported already: it made this connection.
+        if module.startswith("psycopg2"):
+            import psycopg2.extensions
+            import psycopg2.extras
+
+            # Only rows that cannot be indexed by position need another cursor; any other
+            # factory the application set (one that logs or traces) stays in use.
+            factory = getattr(self.connection, "cursor_factory", None)
+            if isinstance(factory, type) and issubclass(factory, psycopg2.extras.RealDictCursor):
+                return self.connection.cursor(cursor_factory=psycopg2.extensions.cursor)
+            return self.connection.cursor()
+        if module == "psycopg" or module.startswith("psycopg."):
+            from psycopg.rows import tuple_row
+
+            return self.connection.cursor(row_factory=tuple_row)
+        return self.connection.cursor()
+
     def execute(self, statement: Statement) -> object:
         with self._mutex:
             cursor = self._cursor
             if cursor is None or getattr(cursor, "closed", False) is True:
-                cursor = self._cursor = self.connection.cursor()
+                cursor = self._cursor = self.new_cursor()
             kind = statement.kind
             if kind == VALUE:
                 cursor.execute(statement.sql, tuple(statement.params))
@@ -155,9 +178,17 @@ def restore_driver_autocommit(dbapi_connection: Any, previous: object) -> None:
 
 
 def driver_in_transaction(driver_connection: Any) -> bool | None:
-    """Whether the driver connection is inside a transaction (None where it cannot tell)."""
+    """Whether the driver connection is inside a transaction (None where it cannot tell,
+    a closed or broken connection included)."""
     if driver_connection is None:
         return None
+    try:
+        return _driver_transaction_status(driver_connection)
+    except Exception:  # sqlite3 raises on a closed connection; others may too
+        return None
+
+
+def _driver_transaction_status(driver_connection: Any) -> bool | None:
     if _is_sqlite3(driver_connection):
         return bool(driver_connection.in_transaction)
     is_in_transaction = getattr(driver_connection, "is_in_transaction", None)
@@ -166,7 +197,8 @@ def driver_in_transaction(driver_connection: Any) -> bool | None:
     info = getattr(driver_connection, "info", None)
     status = getattr(info, "transaction_status", None)  # psycopg 3, psycopg2 >= 2.8
     if status is not None:
-        return int(status) != PQTRANS_IDLE
+        # libpq's PQTRANS_UNKNOWN: the connection is bad, which says nothing either way.
+        return None if int(status) == PQTRANS_UNKNOWN else int(status) != PQTRANS_IDLE
     server_status = getattr(driver_connection, "server_status", None)  # PyMySQL
     if isinstance(server_status, int):
         return bool(server_status & SERVER_STATUS_IN_TRANS)

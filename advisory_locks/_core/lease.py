@@ -172,6 +172,9 @@ class LeaseSite(Protocol):
 
     def renewal_connection(self) -> RenewalConnection: ...
 
+    def release_listener(self) -> Any:
+        """A ``ReleaseListener`` waking this site's waiters, or None (waiters poll)."""
+
     def fence_executor(self, bind: object) -> Any:
         """An executor on ``bind``'s connection, inside the caller's transaction."""
 
@@ -360,7 +363,9 @@ class LeaseLock(LockContract):
         """Take the lease; False when it stayed held by someone else for the whole timeout.
 
         ``timeout=None`` waits as long as it takes, ``0`` tries once, ``t`` waits at most
-        ``t`` seconds. A waiter sleeps until the expiry it read (at most 2 s at a time).
+        ``t`` seconds. A waiter sleeps until the expiry it read (at most 2 s at a time); on
+        PostgreSQL a release wakes it at once (LISTEN/NOTIFY), unless the Engine is
+        declared behind a transaction pooler.
         """
         self._claim()
         # No clock is read for events unless someone listens.
@@ -375,23 +380,41 @@ class LeaseLock(LockContract):
         return granted
 
     def _acquire(self, started: float | None) -> bool:
-        options = self.options
-        timeout = options.timeout
+        timeout = self.options.timeout
+        if timeout == 0:
+            return self._try(0.0, started) is None
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            attempt, holder, sent = run_steps(
-                self._attempt_steps(0.0 if timeout == 0 else left), self._site
-            )
-            if attempt.token is not None:
-                self._hold(holder, attempt.token, sent, started)
-                return True
-            if timeout == 0:
-                return False
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            time.sleep(wait_pause(attempt.expires_in, left))
+        # Subscribed before the first attempt, so a release right after it still wakes us.
+        listener = self._site.release_listener()
+        released = None if listener is None else listener.subscribe(self.lease_name)
+        try:
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if released is not None:
+                    released.clear()
+                attempt = self._try(left, started)
+                if attempt is None:
+                    return True
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                pause = wait_pause(attempt.expires_in, left)
+                if released is None:
+                    time.sleep(pause)
+                else:
+                    released.wait(pause)
+        finally:
+            if released is not None:
+                assert listener is not None
+                listener.unsubscribe(self.lease_name, released)
+
+    def _try(self, lock_wait: Timeout, started: float | None) -> Attempt | None:
+        """One attempt: None when it took the lease, else what it learnt."""
+        attempt, holder, sent = run_steps(self._attempt_steps(lock_wait), self._site)
+        if attempt.token is None:
+            return attempt
+        self._hold(holder, attempt.token, sent, started)
+        return None
 
     def _report_refusal(self, started: float | None, error: BaseException | None) -> None:
         if started is None or not events.listeners:

@@ -4,10 +4,12 @@ Every test in tests/contract takes a ``target``: one database reached through on
 binding. Databases: PostgreSQL and MariaDB (the servers of tests/databases.py) and
 SQLite (a file in the test's temporary directory, or the Django alias's file). Bindings:
 SQLAlchemy (a Session per client) and Django (a thread per client, since Django gives
-each thread its own connection to an alias); on PostgreSQL also the raw drivers: a
-psycopg 3 or psycopg2 connection per client (not in autocommit, as DB-API makes them),
-and an asyncpg pool connection per client, driven from an event loop in a thread of its
-own (``async with pool.acquire() as conn``, transaction locks in ``conn.transaction()``).
+each thread its own connection to an alias); and the raw drivers, a driver connection
+per client, not in autocommit, as DB-API makes them: psycopg 3 and psycopg2 on
+PostgreSQL, PyMySQL and mysqlclient on MariaDB, sqlite3 on SQLite (made with
+``check_same_thread=False``, as a client's waits run in other threads); and on PostgreSQL
+an asyncpg pool connection per client, driven from an event loop in a thread of its own
+(``async with pool.acquire() as conn``, transaction locks in ``conn.transaction()``).
 
 A raw client's connection is the caller's, made before any lock: for those legs
 ``statements`` records ``<connect>`` when the first statement reaches the server through
@@ -43,14 +45,19 @@ from advisory_locks import advisory_lock
 from advisory_locks._dialects.mysql import server_lock_name
 from advisory_locks._dialects.sqlite import lock_file_path
 from advisory_locks.keys import derive_key
-from tests.databases import pymysql_connect
+from tests.contract.raw_clients import raw_connect, raw_connect_arguments
+from tests.databases import import_mysqlclient, pymysql_connect
 from tests.django_aliases import aim_django_alias
 from tests.helpers import lock_rows
 
 DATABASES = ("postgresql", "mariadb", "sqlite")
 BINDINGS = ("sqlalchemy", "django")
-# Raw driver legs, per database (MySQL/MariaDB and sqlite3 legs come with their bindings).
-RAW_BINDINGS: dict[str, tuple[str, ...]] = {"postgresql": ("psycopg", "psycopg2", "asyncpg")}
+# Raw driver legs, per database.
+RAW_BINDINGS: dict[str, tuple[str, ...]] = {
+    "postgresql": ("psycopg", "psycopg2", "asyncpg"),
+    "mariadb": ("pymysql", "mysqlclient"),
+    "sqlite": ("sqlite3",),
+}
 RAW_CLIENT_THREAD_PREFIX = "contract-asyncpg-loop"
 # The aliases of tests/django_settings.py the Django binding locks on.
 DJANGO_ALIASES = {"postgresql": "default", "mariadb": "mysql", "sqlite": "sqlite"}
@@ -77,10 +84,12 @@ with engine.connect() as connection, advisory_lock(connection, sys.argv[2]):
     sys.stdin.read()
 """
 RAW_HOLDER_SCRIPT = """
+import json
 import sys
-import psycopg
 from advisory_locks import advisory_lock
-with psycopg.connect(sys.argv[1]) as connection, advisory_lock(connection, sys.argv[2]):
+from tests.contract.raw_clients import raw_connect
+connection = raw_connect(sys.argv[1], json.loads(sys.argv[2]), [])
+with advisory_lock(connection, sys.argv[3]):
     print("held", flush=True)
     sys.stdin.read()
 """
@@ -164,10 +173,10 @@ class DjangoClient:
 
 
 class RawClient:
-    """A raw psycopg 3 or psycopg2 connection, as DB-API makes it (not in autocommit)."""
+    """A raw driver connection, as DB-API makes it (not in autocommit)."""
 
-    def __init__(self, driver: str, dsn: str, statements: list[str]) -> None:
-        self.connection = _raw_connect(driver, dsn, statements)
+    def __init__(self, driver: str, arguments: dict[str, Any], statements: list[str]) -> None:
+        self.connection = raw_connect(driver, arguments, statements)
 
     def lock(self, name: object, **options: Any) -> Any:
         return advisory_lock(self.connection, name, **options)  # type: ignore[call-overload]
@@ -189,36 +198,6 @@ class RawClient:
 
     def close(self) -> None:
         self.connection.close()
-
-
-def _raw_connect(driver: str, dsn: str, statements: list[str]) -> Any:
-    """A connection that records ``<connect>`` when its first statement is sent."""
-
-    def first_statement() -> None:
-        if not sent:
-            sent.append(True)
-            statements.append("<connect>")
-
-    sent: list[bool] = []
-    if driver == "psycopg":
-        import psycopg
-
-        class Recording(psycopg.Cursor[Any]):
-            def execute(self, *args: Any, **kwargs: Any) -> Any:
-                first_statement()
-                return super().execute(*args, **kwargs)
-
-        connection: Any = psycopg.connect(dsn, cursor_factory=Recording)
-        return connection
-    import psycopg2
-    import psycopg2.extensions
-
-    class Recording2(psycopg2.extensions.cursor):  # type: ignore[misc]
-        def execute(self, *args: Any, **kwargs: Any) -> Any:
-            first_statement()
-            return super().execute(*args, **kwargs)
-
-    return psycopg2.connect(dsn, cursor_factory=Recording2)
 
 
 class AsyncpgClient:
@@ -383,13 +362,15 @@ class Target:
     @contextlib.contextmanager
     def client(self) -> Iterator[Client | DjangoClient | RawClient | AsyncpgClient]:
         client: Client | DjangoClient | RawClient | AsyncpgClient
-        dsn = self.url.set(drivername="postgresql").render_as_string(hide_password=False)
         if self.django_alias is not None:
             client = DjangoClient(self.django_alias)
         elif self.binding == "asyncpg":
-            client = AsyncpgClient(dsn, self.statements)
+            client = AsyncpgClient(
+                raw_connect_arguments("asyncpg", self.url)["dsn"], self.statements
+            )
         elif self.raw_driver is not None:
-            client = RawClient(self.raw_driver, dsn, self.statements)
+            arguments = raw_connect_arguments(self.raw_driver, self.url)
+            client = RawClient(self.raw_driver, arguments, self.statements)
         else:
             client = Client(self.engine())
         try:
@@ -418,8 +399,10 @@ class Target:
         if self.django_database is not None:
             command = [DJANGO_HOLDER_SCRIPT, json.dumps(self.django_database), name]
         elif self.raw_driver is not None:
-            dsn = self.url.set(drivername="postgresql").render_as_string(hide_password=False)
-            command = [RAW_HOLDER_SCRIPT, dsn, name]
+            # asyncpg's holder holds through psycopg: the same server lock.
+            driver = "psycopg" if self.raw_driver == "asyncpg" else self.raw_driver
+            arguments = json.dumps(raw_connect_arguments(driver, self.url))
+            command = [RAW_HOLDER_SCRIPT, driver, arguments, name]
         else:
             command = [HOLDER_SCRIPT, self.url.render_as_string(False), name]
         holder = subprocess.Popen(
@@ -505,6 +488,8 @@ def _database_url(request: pytest.FixtureRequest, database: str, tmp_path: Path)
 )
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
     database, binding = request.param
+    if binding == "mysqlclient":
+        import_mysqlclient(os.environ)  # skips (or, where CI requires it, fails) without it
     url = _database_url(request, database, tmp_path)
     alias = django_database = None
     with contextlib.ExitStack() as stack:

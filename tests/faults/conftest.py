@@ -6,6 +6,7 @@ forced deadlock, ...) goes through :func:`inject`, so a run reports how many it 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,9 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.rows import TupleRow
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.pool import NullPool
 
 # The contract suite's database x binding targets (a holder process, a waiter observed
 # on the server, SQLAlchemy and Django clients), reused for the faults that every
@@ -166,3 +168,15 @@ def django_alias(database: FaultDatabase, django_db_blocker: Any) -> Iterator[st
     with django_db_blocker.unblock():
         yield alias
         connections[alias].close()
+
+
+@pytest.fixture
+def notes_table(database: FaultDatabase, make_engine: Callable[..., Engine]) -> Iterator[str]:
+    """A real (transactional) table on ``database`` for the application's writes."""
+    table = f"al_notes_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(database.url, poolclass=NullPool)
+    with admin.begin() as connection:
+        connection.execute(text(f"CREATE TABLE {table} (note VARCHAR(40) NOT NULL)"))
+    yield table
+    with admin.begin() as connection:
+        connection.execute(text(f"DROP TABLE {table}"))

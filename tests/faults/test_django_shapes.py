@@ -275,7 +275,7 @@ async def test_an_abandoned_async_acquire_is_never_granted_afterwards(
     )
     try:
         started = time.monotonic()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(advisory_lock(name, using=django_alias).aacquire(), 0.2)
         inject("async acquire cancelled")
         assert time.monotonic() - started < 2
@@ -294,7 +294,7 @@ def _give_up_after_a_moment(name: str, alias: str) -> Any:
     async def give_up() -> str:
         try:
             await asyncio.wait_for(advisory_lock(name, using=alias).aacquire(), 0.2)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             return "gave up"
         return "granted"
 

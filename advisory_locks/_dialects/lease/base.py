@@ -74,6 +74,9 @@ class LeaseBackend(Protocol):
     dialect_name: str
     # The most leases one renewal statement carries.
     renew_batch_size: int
+    # The statement that subscribes a connection to release notifications (the release
+    # statement sends them), or None where the database has none.
+    listen_sql: str | None
 
     def create_table(self) -> list[str]:
         """DDL that creates the lease table if it is missing (idempotent)."""

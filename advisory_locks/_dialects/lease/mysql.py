@@ -104,6 +104,8 @@ class MySQLLeaseBackend:
 
     dialect_name = "mysql"
     renew_batch_size = 1_000
+    # No LISTEN/NOTIFY: waiters sleep until the expiry they read.
+    listen_sql: str | None = None
 
     def create_table(self) -> list[str]:
         return [CREATE_TABLE_SQL]
@@ -139,11 +141,12 @@ class MySQLLeaseBackend:
             raise
         rows = yield Statement(ROWS, ATTEMPT_SQL, (holder, name))
         if not rows:
-            return Attempt(None)
+            return Attempt(None, 0.0)
         token, ours, expires_in, unexpired = rows[0]
         if ours and unexpired:
             return Attempt(int(token))
-        return Attempt(None, _seconds(expires_in))
+        # Freed since the attempt (no expiry): worth trying again at once.
+        return Attempt(None, _seconds(expires_in) or 0.0)
 
     def renew(self, leases: Sequence[tuple[str, str, int]], ttl: float) -> StatementSteps[set[str]]:
         wanted = {name: (holder, token) for name, holder, token in leases}

@@ -14,7 +14,8 @@ whether their values change): that conflicts with KEY SHARE, so a takeover waits
 every fencing transaction has ended, and then re-checks the expiry.
 
 The statements avoid PostgreSQL-only syntax where an equivalent costs nothing, so
-CockroachDB and YugabyteDB accept them too (untested here).
+CockroachDB and YugabyteDB accept them too (untested here); the exception is the release's
+``pg_notify()``, which CockroachDB lacks.
 """
 
 from __future__ import annotations
@@ -83,10 +84,17 @@ WHERE lease.name = mine.name AND lease.holder = mine.holder AND lease.token = mi
 RETURNING lease.name
 """
 
+# The release tells waiters at once: NOTIFY is delivered at commit (this statement's own
+# transaction) to every connection LISTENing on the channel, with the name as payload.
+# NOTIFY needs no session state, so it works through a transaction pooler too.
+NOTIFY_CHANNEL: Final = LEASE_TABLE
 RELEASE_SQL: Final = f"""
-UPDATE {LEASE_TABLE} SET holder = NULL, expires_at = clock_timestamp()
-WHERE name = %s AND holder = %s AND token = %s
-RETURNING token
+WITH released AS (
+  UPDATE {LEASE_TABLE} SET holder = NULL, expires_at = clock_timestamp()
+  WHERE name = %s AND holder = %s AND token = %s
+  RETURNING name, token
+)
+SELECT token, pg_catalog.pg_notify('{NOTIFY_CHANNEL}', name) FROM released
 """
 
 FENCE_SQL: Final = f"""
@@ -123,6 +131,7 @@ class PostgresLeaseBackend:
     dialect_name = "postgresql"
     # One array parameter carries any number of names.
     renew_batch_size = 10_000
+    listen_sql: str | None = f"LISTEN {NOTIFY_CHANNEL}"
 
     def create_table(self) -> list[str]:
         return [CREATE_TABLE_SQL]
@@ -147,7 +156,8 @@ class PostgresLeaseBackend:
         if rows:
             return Attempt(int(rows[0][0]))
         current = yield from self.rows([name])
-        return Attempt(None, current[0].expires_in if current else None)
+        # Freed since the attempt (expires_in None): worth trying again at once.
+        return Attempt(None, (current[0].expires_in or 0.0) if current else 0.0)
 
     def renew(self, leases: Sequence[tuple[str, str, int]], ttl: float) -> StatementSteps[set[str]]:
         names = [name for name, _holder, _token in leases]

@@ -90,6 +90,8 @@ class SQLiteLeaseBackend:
     dialect_name = "sqlite"
     # SQLite allows 32,766 parameters per statement; three per lease.
     renew_batch_size = 1_000
+    # No LISTEN/NOTIFY: waiters sleep until the expiry they read.
+    listen_sql: str | None = None
 
     def create_table(self) -> list[str]:
         return [CREATE_TABLE_SQL]
@@ -128,7 +130,8 @@ class SQLiteLeaseBackend:
         if rows:
             return Attempt(int(rows[0][0]))
         current = yield from self.rows([name])
-        return Attempt(None, current[0].expires_in if current else None)
+        # Freed since the attempt (expires_in None): worth trying again at once.
+        return Attempt(None, (current[0].expires_in or 0.0) if current else 0.0)
 
     def renew(self, leases: Sequence[tuple[str, str, int]], ttl: float) -> StatementSteps[set[str]]:
         triples = ", ".join(["(?, ?, ?)"] * len(leases))

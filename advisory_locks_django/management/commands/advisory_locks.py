@@ -1,4 +1,6 @@
-"""``manage.py advisory_locks list|key``: the ``advisory-locks`` command, on Django's databases.
+"""``manage.py advisory_locks list|key|leases``: the ``advisory-locks`` command, on Django.
+
+Leases (``leases``) print the CLI's lease table for an alias's database.
 
 The listing and its table are the core CLI's (the backend's ``list_locks`` and
 ``advisory_locks._monitoring``, which also reads the Rails gem's query comments and guesses
@@ -19,12 +21,15 @@ from typing import Any, TextIO, cast
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 
+from advisory_locks._dialects.lease import LEASE_TABLE
 from advisory_locks._monitoring import (
     Identity,
     identify,
     key_arguments,
     key_details,
     key_document,
+    lease_document,
+    leases_table,
     lock_document,
     locks_table,
     mysql_key_details,
@@ -35,7 +40,7 @@ from advisory_locks.errors import AdvisoryLockError
 from advisory_locks.keys import KEY_SCHEMES, derive_key
 from advisory_locks_django._binding import backend_for_alias
 from advisory_locks_django.conf import lock_settings
-from advisory_locks_django.listing import known_names, list_locks
+from advisory_locks_django.listing import known_names, list_leases, list_locks
 
 DIALECTS = ("postgresql", "mysql")
 
@@ -71,11 +76,18 @@ class Command(BaseCommand):
             "PostgreSQL's integer key(s), or the GET_LOCK name on MySQL/MariaDB",
         )
         key.add_argument("--json", action="store_true", help="print one JSON object")
+        leases = actions.add_parser(
+            "leases", help="lease locks: holder, fencing token, acquired, expires in"
+        )
+        leases.add_argument("--database", default=DEFAULT_DB_ALIAS, help="database alias")
+        leases.add_argument("--json", action="store_true", help="print a JSON array")
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             if options["action"] == "key":
                 self._key(options)
+            elif options["action"] == "leases":
+                self._leases(options)
             else:
                 self._list(options)
         except (AdvisoryLockError, TypeError, ValueError) as error:
@@ -122,6 +134,22 @@ class Command(BaseCommand):
             for key, identity in recognised.items():
                 shown = ",".join(map(str, key)) if isinstance(key, tuple) else str(key)
                 self.stdout.write(f"  {shown}  {_shown_name(identity)}")
+
+    def _leases(self, options: dict[str, Any]) -> None:
+        alias = options["database"]
+        if alias not in connections:
+            raise CommandError(f"unknown database alias {alias!r}")
+        rows = list_leases(alias)
+        if rows is None:
+            raise CommandError(
+                f"the table {LEASE_TABLE} does not exist in database {alias!r}: "
+                f"create it with manage.py migrate advisory_locks_django --database {alias}"
+            )
+        if options["json"]:
+            documents = [lease_document(row) for row in rows]
+            self.stdout.write(json.dumps(documents, ensure_ascii=False, indent=2))
+            return
+        self.stdout.write(leases_table(rows), ending="")
 
 
 def _dialect(alias: str) -> str:

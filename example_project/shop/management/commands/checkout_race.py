@@ -221,6 +221,8 @@ def clean_up(created: list[str], *, keep: bool) -> str:
         return f"Kept the tables this run created in {where}: {', '.join(created)}."
     # Unapplying the shop's migrations drops its tables in dependency order.
     call_command("migrate", "shop", "zero", verbosity=0, interactive=False)
+    if "advisory_locks_lease" in created:  # the lease table came with this run's migrate
+        call_command("migrate", "advisory_locks_django", "zero", verbosity=0, interactive=False)
     recorder = MigrationRecorder(connection)
     if recorder.Migration._meta.db_table in created and not recorder.migration_qs.exists():
         with connection.schema_editor() as editor:

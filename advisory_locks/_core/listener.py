@@ -1,0 +1,149 @@
+"""Prompt handoff for lease waiters: one LISTEN connection per database per process.
+
+A lease released on PostgreSQL sends ``NOTIFY advisory_locks_lease, '<name>'`` in the
+release statement itself. Waiters of a process subscribe to the names they wait for; one
+thread holds a dedicated connection that LISTENs and wakes the waiters of each released
+name, so a waiter retries within about a round trip of the release instead of at the
+expiry it read. Where LISTEN cannot work (a transaction pooler, a driver without
+notifications, another database) there is no listener and waiters sleep as before.
+
+The connection exists only while someone waits: after ``IDLE_SECONDS`` without a
+subscriber the thread closes it and ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable
+from typing import Any, Final
+
+__all__ = ["LISTENING_DRIVERS", "ReleaseListener", "receive_notifications"]
+
+logger = logging.getLogger("advisory_locks")
+
+IDLE_SECONDS: Final = 10.0
+POLL_SECONDS: Final = 1.0
+READY_SECONDS: Final = 5.0
+RETRY_SECONDS: Final = 1.0
+
+
+def receive_notifications(connection: Any, timeout: float) -> list[str] | None:
+    """Payloads of the notifications that arrive on ``connection`` within ``timeout``;
+    None when the driver cannot receive notifications."""
+    module = type(connection).__module__
+    if module == "psycopg" or module.startswith("psycopg."):
+        # stop_after: return with the first notification, not at the end of the timeout.
+        return [n.payload for n in connection.notifies(timeout=timeout, stop_after=1)]
+    if module.startswith("psycopg2"):
+        if not connection.notifies:
+            select.select([connection], [], [], timeout)
+            connection.poll()
+        payloads = [notify.payload for notify in connection.notifies]
+        connection.notifies.clear()
+        return payloads
+    return None
+
+
+# SQLAlchemy driver names whose connections receive notifications here.
+LISTENING_DRIVERS: Final = frozenset({"psycopg", "psycopg2"})
+
+
+class ReleaseListener:
+    """Wakes this process's waiters when a lease they wait for is released."""
+
+    def __init__(self, open_connection: Callable[[], Any], listen_sql: str) -> None:
+        # open_connection() -> an object with .driver (an autocommit driver connection)
+        # and .close().
+        self._open = open_connection
+        self._listen_sql = listen_sql
+        self._mutex = threading.Lock()
+        self._waiters: dict[str, set[threading.Event]] = {}
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def subscribe(self, name: str) -> threading.Event:
+        """An event set when ``name`` is released (maybe spuriously); the caller clears it.
+        Returns once the listener is listening, or has given up trying for now."""
+        event = threading.Event()
+        with self._mutex:
+            if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+                self._pid, self._thread = os.getpid(), None
+                self._ready = threading.Event()
+            self._waiters.setdefault(name, set()).add(event)
+            if self._thread is None or not self._thread.is_alive():
+                self._ready.clear()
+                self._thread = threading.Thread(
+                    target=self._run, name="advisory-locks-lease-listener", daemon=True
+                )
+                self._thread.start()
+            ready = self._ready
+        ready.wait(READY_SECONDS)
+        return event
+
+    def unsubscribe(self, name: str, event: threading.Event) -> None:
+        with self._mutex:
+            events = self._waiters.get(name)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiters[name]
+
+    def _run(self) -> None:
+        idle = 0.0
+        while True:
+            connection = None
+            try:
+                connection = self._open()
+                cursor = connection.driver.cursor()
+                cursor.execute(self._listen_sql)
+                cursor.close()
+                self._ready.set()
+                while True:
+                    payloads = receive_notifications(connection.driver, POLL_SECONDS)
+                    if payloads is None:
+                        raise TypeError(
+                            f"{type(connection.driver).__name__} connections cannot receive "
+                            "notifications"
+                        )
+                    self._wake(payloads)
+                    with self._mutex:
+                        if self._waiters:
+                            idle = 0.0
+                            continue
+                        idle += POLL_SECONDS
+                        if idle >= IDLE_SECONDS:
+                            self._thread = None
+                            self._ready.clear()
+                            return
+            except Exception:
+                logger.debug("lease listener failed; waiters sleep until expiry", exc_info=True)
+                self._ready.set()  # nobody should wait for a listener that is not coming
+                self._wake_everyone()
+                with self._mutex:
+                    if not self._waiters:
+                        self._thread = None
+                        return
+                threading.Event().wait(RETRY_SECONDS)
+            finally:
+                if connection is not None:
+                    with contextlib.suppress(Exception):
+                        connection.close()
+
+    def _wake(self, names: list[str]) -> None:
+        if not names:
+            return
+        with self._mutex:
+            events = [event for name in names for event in self._waiters.get(name, ())]
+        for event in events:
+            event.set()
+
+    def _wake_everyone(self) -> None:
+        with self._mutex:
+            events = [event for events in self._waiters.values() for event in events]
+        for event in events:
+            event.set()

@@ -1,0 +1,350 @@
+"""``advisory_locks_django.lease_lock``: lease locks on Django's databases.
+
+The table is made by the app's migration (pytest-django migrates the PostgreSQL test
+database); a SQLAlchemy worker in another process, on the same database, excludes a
+Django worker by name and the other way round. MariaDB and SQLite aliases get the table
+from the migration's own function.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connections, transaction
+from django.test import RequestFactory, override_settings
+from sqlalchemy.engine import URL
+
+from advisory_locks_django import (
+    LockNotAcquired,
+    LockStolen,
+    UnsupportedFeature,
+    lease_lock,
+)
+from advisory_locks_django.checks import check_settings
+from advisory_locks_django.models import Lease
+from tests.django.support import run_in_thread
+from tests.django_aliases import aim_django_alias
+from tests.helpers import unique_name, wait_for
+
+PROCESS_SECONDS = 60.0
+
+
+def _url_of_default(postgres_url: URL) -> URL:
+    return postgres_url.set(database=connections["default"].settings_dict["NAME"])
+
+
+def _sqlalchemy_worker(url: URL, name: str, script: str) -> subprocess.Popen[str]:
+    """A process that uses SQLAlchemy only, on ``url``, with ``lease`` and ``engine``."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from sqlalchemy import create_engine
+        from advisory_locks import lease_lock, LockNotAcquired
+        engine = create_engine({url.render_as_string(hide_password=False)!r})
+        name = {name!r}
+        """
+    ) + textwrap.dedent(script)
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "ADVISORY_LOCKS_PREFIX": ""},
+    )
+
+
+def _create_table(alias: str) -> None:
+    from advisory_locks._dialects.lease import lease_backend_for_dialect
+
+    wrapper = connections[alias]
+    with wrapper.cursor() as cursor:
+        for sql in lease_backend_for_dialect(wrapper.vendor).create_table():
+            cursor.execute(sql)
+
+
+def _end_the_listener(admin: Any) -> None:
+    """End the LISTEN connection (it would idle on for 10 s), so that pytest-django can
+    drop the test database; with no waiter left, the listener thread ends with it."""
+    database = connections["default"].settings_dict["NAME"]
+    listening = (
+        "SELECT pid FROM pg_stat_activity WHERE datname = %s AND query = %s AND pid <> "
+        "pg_backend_pid()"
+    )
+    wait_for(
+        lambda: (
+            not admin.execute(
+                f"SELECT pg_terminate_backend(pid) FROM ({listening}) AS l",
+                [database, "LISTEN advisory_locks_lease"],
+            ).fetchall()
+        ),
+        "the lease listener's connection ended",
+    )
+
+
+# -- PostgreSQL: the migrated test database -------------------------------------------------
+
+
+@pytest.mark.postgresql
+@pytest.mark.django_db(transaction=True)
+class TestOnPostgreSQL:
+    @pytest.fixture(autouse=True)
+    def _no_listener_left(self, admin: Any) -> Iterator[None]:
+        # A waiting acquire opens the LISTEN connection, which idles on for 10 s and
+        # would keep pytest-django from dropping the test database after a short run.
+        yield
+        _end_the_listener(admin)
+
+    def test_with_block_holds_a_row_of_the_lease_model_with_its_token(self) -> None:
+        name = unique_name("lease")
+        with lease_lock(name, ttl=10, key_prefix="") as lease:
+            row = Lease.objects.get(name=name)
+            assert (row.token, lease.token) == (1, 1)
+            assert row.holder is not None
+            assert lease.held
+            assert not lease.lost.is_set()
+            lease.ensure_held()
+            # Another holder (another object, same thread) is refused.
+            assert not lease_lock(name, timeout=0, key_prefix="").acquire()
+        assert Lease.objects.get(name=name).holder is None
+        with lease_lock(name, key_prefix="") as again:
+            assert again.token == 2
+
+    def test_fence_runs_inside_atomic_and_refuses_outside(self) -> None:
+        name = unique_name("lease")
+        with lease_lock(name, key_prefix="") as lease:
+            with pytest.raises(UnsupportedFeature, match="atomic"):
+                lease.fence()
+            with transaction.atomic():
+                lease.fence()
+                # Acquire/release inside atomic() commit on their own connection.
+                other = lease_lock(unique_name("lease"), key_prefix="")
+                assert other.acquire()
+                other.release()
+            assert Lease.objects.get(name=name).holder is not None
+
+    def test_a_stolen_lease_is_refused_by_fence_and_reported_at_exit(self) -> None:
+        name = unique_name("lease")
+        lease = lease_lock(name, ttl=30, key_prefix="")
+
+        def stolen_inside() -> None:
+            with lease:
+                with connections["default"].cursor() as cursor:
+                    cursor.execute(
+                        "UPDATE advisory_locks_lease SET holder = 'thief', token = token + 1 "
+                        "WHERE name = %s",
+                        [name],
+                    )
+                with pytest.raises(LockStolen), transaction.atomic():
+                    lease.fence()
+                assert lease.lost.is_set()
+
+        # The block itself did not raise: its exit reports the loss.
+        with pytest.raises(LockStolen, match="thief"):
+            stolen_inside()
+
+    def test_decorator_formats_the_name_and_skips_when_held(self) -> None:
+        calls: list[int] = []
+
+        @lease_lock("lease-job-{account}", key_prefix=unique_name("prefix"), timeout=0)
+        def sync(account: int) -> str:
+            calls.append(account)
+            return "ran"
+
+        @lease_lock("{account}", key_prefix="", timeout=0, skip_if_locked=True)
+        def skipped(account: str) -> str:
+            return "ran"
+
+        assert sync(7) == "ran"
+        assert calls == [7]
+        name = unique_name("lease")
+        with lease_lock(name, key_prefix=""):
+            assert skipped(name) is None
+        assert skipped(name) == "ran"
+
+    def test_the_renewer_keeps_the_lease_without_the_threads_connection(self) -> None:
+        name = unique_name("lease")
+        with lease_lock(name, ttl=1.5, key_prefix="") as lease:
+            connections["default"].close()  # the renewer has its own
+            first = Lease.objects.get(name=name).renewed_at
+            wait_for(
+                lambda: Lease.objects.get(name=name).renewed_at > first,
+                "a renewal of the lease",
+            )
+            time.sleep(1.6)  # past the ttl: only renewals keep it
+            lease.ensure_held()
+            assert Lease.objects.get(name=name).token == lease.token
+
+    def test_notify_wakes_a_blocked_waiter_promptly(self, admin: Any) -> None:
+        name = unique_name("lease")
+        holder = lease_lock(name, ttl=30, key_prefix="")
+        assert holder.acquire()
+        pids: list[int] = []
+        acquired_at: list[float] = []
+
+        def wait() -> None:
+            connections["default"].ensure_connection()
+            pids.append(connections["default"].connection.info.backend_pid)
+            with lease_lock(name, timeout=20, key_prefix=""):
+                acquired_at.append(time.monotonic())
+
+        waiter = run_in_thread(wait)
+
+        def failed_first_attempt() -> bool:
+            # After a refused upsert the waiter reads the row's expiry, then sleeps.
+            row = admin.execute(
+                "SELECT state, query FROM pg_stat_activity WHERE pid = %s",
+                [pids[0] if pids else 0],
+            ).fetchone()
+            return row is not None and row[0] == "idle" and "acquired_at" in row[1]
+
+        try:
+            wait_for(failed_first_attempt, "the waiter failed its first attempt")
+            released_at = time.monotonic()
+            holder.release()
+            waiter.get()
+        finally:
+            _end_the_listener(admin)
+        # Without NOTIFY the waiter would sleep until the expiry it read (capped at 2 s).
+        assert acquired_at[0] - released_at < 1.0
+
+    def test_lease_ttl_setting_is_the_default_and_checked(self) -> None:
+        with override_settings(ADVISORY_LOCKS={"LEASE_TTL": 12}):
+            assert lease_lock(unique_name("lease")).ttl == 12.0
+        for bad in (0, -1, float("nan"), "30", True):
+            with override_settings(ADVISORY_LOCKS={"LEASE_TTL": bad}):
+                assert [error.id for error in check_settings()] == ["advisory_locks.E009"]
+        with pytest.raises(ValueError, match="renew_every"):
+            lease_lock(unique_name("lease"), ttl=3, renew_every=3)
+
+    def test_admin_lists_holder_token_and_expires_in_read_only(self) -> None:
+        from django.contrib import admin
+
+        from advisory_locks_django.admin import LeaseAdmin
+
+        name = unique_name("lease")
+        request = RequestFactory().get("/")
+        model_admin = LeaseAdmin(Lease, admin.AdminSite())
+        with lease_lock(name, ttl=30, key_prefix="") as lease:
+            row = model_admin.get_queryset(request).get(name=name)
+            shown = model_admin.expires_in(row)
+            assert 25.0 < float(shown.rstrip("s")) <= 30.0
+            assert (row.holder, row.token) == (Lease.objects.get(name=name).holder, lease.token)
+        row = model_admin.get_queryset(request).get(name=name)
+        assert model_admin.expires_in(row) == "free"
+        assert not model_admin.has_add_permission(request)
+        assert not model_admin.has_change_permission(request, row)
+        assert not model_admin.has_delete_permission(request, row)
+        assert {"holder", "token", "expires_in"} <= set(model_admin.list_display)
+
+    def test_a_django_and_a_sqlalchemy_worker_exclude_each_other(self, postgres_url: URL) -> None:
+        name = unique_name("lease")
+        url = _url_of_default(postgres_url)
+        # SQLAlchemy holds it: Django is refused until the SQLAlchemy process releases.
+        worker = _sqlalchemy_worker(
+            url,
+            name,
+            """
+            with lease_lock(engine, name, ttl=30, key_prefix="") as lease:
+                print("held", lease.token, flush=True)
+                sys.stdin.readline()
+            print("released", flush=True)
+            """,
+        )
+        try:
+            assert worker.stdout is not None
+            assert worker.stdin is not None
+            assert worker.stdout.readline().split() == ["held", "1"]
+            assert not lease_lock(name, timeout=0, key_prefix="").acquire()
+            worker.stdin.write("\n")
+            worker.stdin.flush()
+            assert worker.stdout.readline().strip() == "released"
+            assert worker.wait(PROCESS_SECONDS) == 0
+        finally:
+            worker.kill()
+        # Django holds it: SQLAlchemy is refused, and takes it (token 3) once released.
+        with lease_lock(name, key_prefix="") as lease:
+            assert lease.token == 2
+            refused = _sqlalchemy_worker(
+                url,
+                name,
+                """
+                print(lease_lock(engine, name, timeout=0, key_prefix="").acquire())
+                """,
+            )
+            out, err = refused.communicate(timeout=PROCESS_SECONDS)
+            assert (out.strip(), refused.returncode) == ("False", 0), err
+        taker = _sqlalchemy_worker(
+            url,
+            name,
+            """
+            with lease_lock(engine, name, timeout=0, key_prefix="") as lease:
+                print(lease.token)
+            """,
+        )
+        out, err = taker.communicate(timeout=PROCESS_SECONDS)
+        assert (out.strip(), taker.returncode) == ("3", 0), err
+
+
+# -- MariaDB and SQLite ---------------------------------------------------------------------
+
+
+@pytest.fixture(params=["mysql", "sqlite"])
+def lease_alias(
+    request: pytest.FixtureRequest, tmp_path: Path, django_db_blocker: Any
+) -> Iterator[tuple[str, URL]]:
+    alias: str = request.param
+    if alias == "mysql":
+        url: URL = request.getfixturevalue("mysql_url")
+        aim_django_alias("mysql", url)
+    else:
+        url = URL.create("sqlite", database=str(tmp_path / "leases.sqlite3"))
+        aim_django_alias("sqlite", url, tmp_path / "leases.sqlite3")
+    with django_db_blocker.unblock():
+        _create_table(alias)
+        yield alias, url
+        connections[alias].close()
+
+
+def test_leases_on_mariadb_and_sqlite_exclude_a_sqlalchemy_worker(
+    lease_alias: tuple[str, URL],
+) -> None:
+    alias, url = lease_alias
+    name = unique_name("lease")
+    with lease_lock(name, using=alias, ttl=10, key_prefix="") as lease:
+        first = lease.token
+        assert first is not None
+        refused = _sqlalchemy_worker(
+            url, name, 'print(lease_lock(engine, name, timeout=0, key_prefix="").acquire())'
+        )
+        out, err = refused.communicate(timeout=PROCESS_SECONDS)
+        assert (out.strip(), refused.returncode) == ("False", 0), err
+        lease.ensure_held()
+        with transaction.atomic(using=alias):
+            lease.fence()
+
+    def hold_in_thread() -> int | None:
+        with lease_lock(name, using=alias, timeout=0, key_prefix="") as again:
+            return again.token
+
+    assert run_in_thread(hold_in_thread).get() == first + 1
+    with lease_lock(name, using=alias, key_prefix="", timeout=0):
+        second = lease_lock(name, using=alias, key_prefix="", timeout=0)
+        with pytest.raises(LockNotAcquired):
+            second.__enter__()
+
+
+def test_a_lease_name_must_be_text() -> None:
+    with pytest.raises(TypeError, match="str"):
+        lease_lock(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="decorator"), lease_lock("job-{n}"):
+        pass
+    with pytest.raises(ValueError, match="alias"):
+        lease_lock("x", using="nowhere").acquire()
