@@ -303,7 +303,9 @@ def lease_alias(
     alias: str = request.param
     if alias == "mysql":
         url: URL = request.getfixturevalue("mysql_url")
-        aim_django_alias("mysql", url)
+        # The alias keeps its test database if pytest-django made one (an earlier test
+        # asked for it): the SQLAlchemy worker must use the database the alias uses.
+        url = url.set(database=aim_django_alias("mysql", url)["NAME"])
     else:
         url = URL.create("sqlite", database=str(tmp_path / "leases.sqlite3"))
         aim_django_alias("sqlite", url, tmp_path / "leases.sqlite3")

@@ -40,7 +40,9 @@ def alias_and_url(
         url = postgres_url.set(database=connections["default"].settings_dict["NAME"])
     elif alias == "mysql":
         url = request.getfixturevalue("mysql_url")
-        aim_django_alias("mysql", url)
+        # The alias keeps its test database if pytest-django made one (an earlier test
+        # asked for it): the SQLAlchemy worker must use the database the alias uses.
+        url = url.set(database=aim_django_alias("mysql", url)["NAME"])
     else:
         url = URL.create("sqlite", database=str(tmp_path / "django.sqlite3"))
         aim_django_alias("sqlite", url, tmp_path / "django.sqlite3")
