@@ -24,6 +24,7 @@ installs the listeners (class-level, on every Engine and Pool).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable
@@ -589,9 +590,16 @@ class _AutocommitExecutor:
             info[AUTOCOMMIT_INFO_KEY] = (previous,)
             return executor.execute(statement)
         try:
-            return executor.execute(statement)
-        finally:
-            restore_driver_autocommit(dbapi, previous)
+            result = executor.execute(statement)
+        except BaseException:
+            # A connection that broke mid-statement cannot be switched back (psycopg:
+            # "can't change 'autocommit' now"), and the statement's own error is the one
+            # that says the connection is gone.
+            with contextlib.suppress(Exception):
+                restore_driver_autocommit(dbapi, previous)
+            raise
+        restore_driver_autocommit(dbapi, previous)
+        return result
 
 
 class PooledBorrow(_SettledAtOnce):
