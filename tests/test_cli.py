@@ -780,7 +780,8 @@ def test_a_comment_name_that_does_not_hash_to_the_key_has_no_certain_scheme() ->
 
 # --- list --watch -------------------------------------------------------------------------
 
-FRAME_END = "QUERY is the connection's current statement"
+# A listing ends with the note under its table, or with the one line of an empty listing.
+FRAME_ENDS = ("QUERY is the connection's current statement", "No advisory locks are held")
 WATCH_INTERVAL = "2"  # the test releases a lock between two frames: ample time for that
 
 
@@ -804,7 +805,7 @@ def read_frame(stream: Any) -> str:
         line = stream.readline()
         assert line, "list --watch ended before the frame did: " + "".join(lines)
         lines.append(line)
-        if line.startswith(FRAME_END):
+        if line.startswith(FRAME_ENDS):
             return "".join(lines)
 
 
@@ -874,9 +875,11 @@ def test_list_watch_clears_the_terminal_before_each_listing(
         assert "cli-watch-terminal" in frame
 
 
-def test_list_watch_stops_on_ctrl_c_without_a_traceback(postgres_url: URL) -> None:
+def test_list_watch_stops_on_ctrl_c_without_a_traceback(postgres_url: URL, connect: Any) -> None:
     import signal
 
+    key = unique_key()
+    connect("cli-watch-ctrl-c").execute("SELECT pg_advisory_lock(%s)", (key,))
     watcher = subprocess.Popen(
         watch_command(postgres_url, "--interval", "30"),
         stdout=subprocess.PIPE,
@@ -885,7 +888,7 @@ def test_list_watch_stops_on_ctrl_c_without_a_traceback(postgres_url: URL) -> No
     )
     try:
         assert watcher.stdout is not None
-        read_frame(watcher.stdout)
+        assert str(key) in read_frame(watcher.stdout)
         watcher.send_signal(signal.SIGINT)
         status = watcher.wait(timeout=60)
     finally:
