@@ -411,6 +411,79 @@ def test_a_lock_on_a_pool_connection_stays_with_that_connection(dsn: str) -> Non
         assert is_free(dsn, name)
 
 
+@pytest.mark.parametrize("autocommit", [True, False])
+@pytest.mark.parametrize("with_reset", [False, True])
+def test_a_lock_left_on_a_connection_given_back_to_its_pool_is_released_and_lost(
+    dsn: str, pg_admin: Admin, autocommit: bool, with_reset: bool, caplog: Any
+) -> None:
+    # psycopg_pool only rolls a returned connection back, which ends no session lock: the
+    # next borrower of that connection would be granted the name as its own, a second
+    # holder while the first holder's lock still says it is held.
+    name = unique_name("pool-checkin")
+    resets: list[object] = []
+    reset = resets.append if with_reset else None
+    kwargs: dict[str, Any] = {"autocommit": autocommit}
+    with ConnectionPool(dsn, min_size=1, max_size=1, kwargs=kwargs, reset=reset) as pool:
+        first_connection = pool.getconn()
+        first = advisory_lock(first_connection, name, timeout=0)
+        assert first.acquire()
+        pid = holder_pids(pg_admin, name)
+        assert len(pid) == 1
+        pool.putconn(first_connection)
+        with pool.connection(timeout=10) as second_connection:
+            assert second_connection is first_connection  # a pool of one
+            assert holder_pids(pg_admin, name) == []
+            second = advisory_lock(second_connection, name, timeout=0)
+            assert second.acquire()
+            assert not held(first)
+            with pytest.raises(LockLost):
+                first.ensure_held()
+            with pytest.raises(LockLost):
+                first.release()
+            assert second.held
+            assert not is_free(dsn, name)
+            second.release()
+        if with_reset:
+            # The pool runs reset callables in a worker, after putconn() returned.
+            wait_for(lambda: len(resets) == 2, "the pool reset the connection twice")
+        assert resets == ([first_connection, first_connection] if with_reset else [])
+    assert is_free(dsn, name)
+    assert any(
+        record.levelname == "WARNING" and repr(name) in record.getMessage()
+        for record in caplog.records
+    )
+
+
+def test_a_pool_connection_whose_unlock_fails_at_checkin_is_closed_not_reused(
+    dsn: str, pg_admin: Admin
+) -> None:
+    name = unique_name("pool-checkin-dead")
+    with ConnectionPool(dsn, min_size=1, max_size=1) as pool:
+        connection = pool.getconn()
+        lock = advisory_lock(connection, name, timeout=0)
+        assert lock.acquire()
+        backend_pid = connection.info.backend_pid
+        terminate(pg_admin, backend_pid)
+        pool.putconn(connection)
+        with pool.connection(timeout=10) as replacement:
+            assert replacement.info.backend_pid != backend_pid
+            assert current_advisory_locks(replacement) == []
+        with pytest.raises(LockLost):
+            lock.release()
+    assert is_free(dsn, name)
+
+
+def test_a_lock_released_before_checkin_costs_the_pool_nothing(dsn: str, pg_admin: Admin) -> None:
+    name = unique_name("pool-checkin-clean")
+    with ConnectionPool(dsn, min_size=1, max_size=1) as pool:
+        with pool.connection() as connection:
+            backend_pid = connection.info.backend_pid
+            with advisory_lock(connection, name, timeout=0):
+                pass
+        with pool.connection(timeout=10) as again:
+            assert again.info.backend_pid == backend_pid
+
+
 # -- prepared statements -----------------------------------------------------------------------
 
 

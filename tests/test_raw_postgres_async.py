@@ -35,7 +35,7 @@ from advisory_locks import (
     advisory_lock_set,
     current_advisory_locks,
 )
-from advisory_locks._bindings import _asyncpg_compat
+from advisory_locks._bindings import _asyncpg_compat, _psycopg_pool_compat
 from tests.helpers import backend_alive, holder_pids, lock_rows, unique_name, waiter_pids
 from tests.test_raw_postgres import held, libpq_url
 
@@ -426,6 +426,55 @@ async def test_a_lock_on_a_reused_asyncpg_connection_is_lost_for_its_first_holde
         assert is_free(dsn, name)
     finally:
         await pool.close()
+
+
+@pytest.mark.parametrize("with_reset", [False, True])
+async def test_a_lock_left_on_a_psycopg_pool_connection_is_released_at_checkin(
+    dsn: str, pg_admin: Admin, with_reset: bool
+) -> None:
+    name = unique_name("async-pool-checkin")
+    resets: list[object] = []
+
+    async def reset(connection: Any) -> None:
+        resets.append(connection)
+
+    pool = AsyncConnectionPool(
+        dsn, min_size=1, max_size=1, open=False, reset=reset if with_reset else None
+    )
+    await pool.open()
+    try:
+        async with pool.connection() as connection:
+            first = advisory_lock(connection, name, timeout=0)
+            assert await first.acquire()
+            assert len(holder_pids(pg_admin, name)) == 1
+        async with pool.connection(timeout=10) as again:
+            assert again is connection
+            assert holder_pids(pg_admin, name) == []
+            second = advisory_lock(again, name, timeout=0)
+            assert await second.acquire()
+            assert not first.held
+            with pytest.raises(LockLost):
+                await first.ensure_held()
+            assert not is_free(dsn, name)
+            await second.release()
+        if with_reset:
+            # The pool runs reset callables in a task, after putconn() returned.
+            await wait_until(lambda: len(resets) == 2, "the pool reset the connection twice")
+        assert resets == ([connection, connection] if with_reset else [])
+    finally:
+        await pool.close()
+    assert is_free(dsn, name)
+
+
+def test_the_private_psycopg_pool_apis_the_binding_uses_exist() -> None:
+    import psycopg_pool
+
+    version = ".".join(psycopg_pool.__version__.split(".")[:2])
+    assert version in _psycopg_pool_compat.CHECKED_VERSIONS
+    sync_pool = psycopg_pool.ConnectionPool("", open=False)
+    async_pool = AsyncConnectionPool("", open=False)
+    assert sync_pool._reset is None
+    assert async_pool._reset is None
 
 
 def test_the_private_asyncpg_apis_the_binding_reads_exist() -> None:

@@ -54,6 +54,7 @@ are then refused unless the application declared the pooler with ``declare_poole
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
@@ -70,6 +71,7 @@ from advisory_locks._core.connection import (
     ConnectionState,
     check_server,
     finish_pending_releases,
+    release_session_locks,
 )
 from advisory_locks._core.contract import LockOptions, Timeout
 from advisory_locks._core.executors import DBAPIExecutor, driver_autocommit, driver_in_transaction
@@ -93,6 +95,7 @@ __all__ = [
     "RawDriver",
     "declare_pooler",
     "declared_pooler",
+    "release_at_checkin",
 ]
 
 # Transaction status, as libpq numbers it (psycopg 3 and psycopg2 report these values).
@@ -107,6 +110,8 @@ DECLARE_POOLER: Final = (
     "or connection is made"
 )
 
+
+logger = logging.getLogger("advisory_locks")
 
 # The attribute a connection that has a __dict__ keeps its state in.
 STATE_ATTRIBUTE: Final = "_advisory_locks_state"
@@ -263,6 +268,13 @@ class RawDriver:
     def checkin(self, pool: Any, bind: Any) -> None:  # pragma: no cover - as above
         raise TypeError(f"{type(pool).__name__} is not a pool")
 
+    def guard_checkin(self, connection: Any) -> None:
+        """Called once per connection, at its first lock: where ``connection`` belongs to
+        a pool that does not end its session locks when it takes it back (psycopg_pool),
+        make that pool run ``release_at_checkin`` on every connection it takes back.
+        Nothing to do for drivers without pools, or whose pool unlocks everything itself
+        (asyncpg's: ``epoch`` tells)."""
+
 
 class AsyncRawDriver(RawDriver):
     """An asyncio driver: statements, autocommit switches, closes and pools are awaited."""
@@ -337,11 +349,39 @@ def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnec
                 state.driver = driver
                 state.epoch = driver.epoch(connection)
                 driver.keep_state(connection, state)
+                driver.guard_checkin(connection)
                 return state
     state.observe()
     # With nothing held, observe() did not look; a reset session has nothing to forget.
     state.epoch = driver.epoch(connection)
     return state
+
+
+def release_at_checkin(driver: RawDriver, connection: Any) -> Steps[None]:
+    """Run when a pool takes ``connection`` back, after it rolled back the connection's
+    transaction: unlock every session lock this library still records on it, so that the
+    connection's next borrower cannot be granted them as its own (the server counts a
+    lock its session holds as re-entrant). Their lock objects then report ``LockLost``.
+
+    A lock left held there was never released: its object was dropped, or the connection
+    was handed back inside the ``with`` block. If an unlock fails, the error reaches the
+    pool, which closes the connection instead of reusing it (ending its session ends its
+    locks).
+    """
+    state = driver.find_state(connection)
+    if state is None or state.inherited:
+        # A forked child's copy of the parent's connection: the locks are the parent's.
+        return
+    state.observe()
+    if not state.session_holdings():
+        return
+    holdings = yield from release_session_locks(state, state.executors(connection)[0])
+    logger.warning(
+        "a %s connection went back to its pool holding advisory lock(s) %s that were never "
+        "released; they were unlocked, and their lock objects report LockLost",
+        driver.name,
+        ", ".join(repr(holding.key.name) for holding in holdings),
+    )
 
 
 def new_executors(driver: RawDriver, connection: Any, state: RawConnectionState) -> tuple[Any, Any]:

@@ -10,21 +10,18 @@ from typing import Any
 
 from psycopg import Connection
 
-from advisory_locks._bindings._raw import RawBinding, RawDriver
+from advisory_locks._bindings import _psycopg_pool_compat
+from advisory_locks._bindings._psycopg_pool_compat import pool_of
+from advisory_locks._bindings._raw import RawBinding, RawDriver, release_at_checkin
 from advisory_locks._core.dispatch import register_binding
+from advisory_locks._core.steps import run_steps
 
-__all__ = ["PsycopgDriver", "pool_of"]
+__all__ = ["PsycopgDriver"]
 
 OPEN_TRANSACTION = (
     "open one with `with conn.transaction():`, or use a connection that is not in "
     "autocommit mode (its first statement begins a transaction)"
 )
-
-
-def pool_of(connection: Any) -> Any:
-    # psycopg_pool records the pool on a connection while it is checked out (checked
-    # with psycopg_pool 3.1 to 3.3); None for other connections.
-    return getattr(connection, "_pool", None)
 
 
 class PsycopgDriver(RawDriver):
@@ -55,6 +52,16 @@ class PsycopgDriver(RawDriver):
     def checkin(self, pool: Any, bind: Any) -> None:
         # A closed connection is replaced by the pool.
         pool.putconn(bind)
+
+    def guard_checkin(self, connection: Any) -> None:
+        pool = pool_of(connection)
+        if pool is not None:
+            _psycopg_pool_compat.guard_checkin(pool, self._checked_in)
+
+    def _checked_in(self, connection: Any, reset: Any) -> None:
+        run_steps(release_at_checkin(self, connection))
+        if reset is not None:
+            reset(connection)
 
 
 def _register() -> None:

@@ -9,10 +9,12 @@ from typing import Any
 
 from psycopg import AsyncConnection
 
-from advisory_locks._bindings._raw import AsyncRawDriver, RawBinding
-from advisory_locks._bindings.psycopg import OPEN_TRANSACTION, pool_of
+from advisory_locks._bindings import _psycopg_pool_compat
+from advisory_locks._bindings._psycopg_pool_compat import pool_of
+from advisory_locks._bindings._raw import AsyncRawDriver, RawBinding, release_at_checkin
+from advisory_locks._bindings.psycopg import OPEN_TRANSACTION
 from advisory_locks._core.dispatch import register_binding
-from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
+from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, arun_steps
 
 __all__ = ["AsyncPsycopgDriver", "AsyncPsycopgExecutor"]
 
@@ -94,6 +96,16 @@ class AsyncPsycopgDriver(AsyncRawDriver):
 
     async def acheckin(self, pool: Any, bind: Any) -> None:
         await pool.putconn(bind)
+
+    def guard_checkin(self, connection: Any) -> None:
+        pool = pool_of(connection)
+        if pool is not None:
+            _psycopg_pool_compat.guard_checkin(pool, self._checked_in)
+
+    async def _checked_in(self, connection: Any, reset: Any) -> None:
+        await arun_steps(release_at_checkin(self, connection))
+        if reset is not None:
+            await reset(connection)
 
 
 def _register() -> None:
