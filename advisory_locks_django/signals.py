@@ -13,12 +13,12 @@ Every signal is sent with ``sender`` =
     ``"session"`` or ``"transaction"``.
 
 ``lock_acquired`` adds ``waited`` (seconds). ``lock_failed`` adds ``waited``, ``reason``
-(``"busy"``, ``"timeout"``, ``"deadlock"`` or ``"error"``) and ``error`` (the exception,
-or None when ``acquire()`` returned False). ``lock_released`` adds ``held`` (seconds) and
-``reason``: ``"unlock"``, ``"commit"``, ``"rollback"`` (also a savepoint rollback),
-``"connection_closed"`` (Django closed the connection, or gave it back to its pool, with
-the lock held: the app unlocked it first), ``"request_finished"`` (taken during a request
-and still held at its end) or ``"lost"``.
+(``"busy"``, ``"timeout"``, ``"deadlock"``, ``"cancelled"`` or ``"error"``) and ``error``
+(the exception, or None when ``acquire()`` returned False). ``lock_released`` adds ``held``
+(seconds) and ``reason``: ``"unlock"``, ``"commit"``, ``"rollback"`` (also a savepoint
+rollback), ``"connection_closed"`` (Django closed the connection, or gave it back to its
+pool, with the lock held: the app unlocked it first), ``"request_finished"`` (taken during a
+request and still held at its end) or ``"lost"``.
 
 A re-entrant acquire on a connection that already holds the lock sends nothing: the
 signals follow what the server does. Receivers run through ``send_robust``: an exception

@@ -224,3 +224,21 @@ async def test_an_asyncio_bind_reports_like_a_blocking_one(
     assert (acquired.kind, released.kind, released.reason) == ("acquired", "released", "unlock")
     assert acquired.binding == "sqlalchemy"
     assert acquired.system == "postgresql"
+
+
+async def test_a_cancelled_wait_is_reported_cancelled(
+    pg_engine: Engine, postgres_url_for: object, lock_events: EventRecorder
+) -> None:
+    import asyncio
+
+    url: URL = postgres_url_for("asyncpg")  # type: ignore[operator]
+    engine = create_async_engine(url)
+    name = unique_name()
+    try:
+        with advisory_lock(pg_engine, name), pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(advisory_lock(engine, name).acquire(), 0.2)
+    finally:
+        await engine.dispose()
+    refusal = lock_events.one(name, "not_acquired")
+    assert refusal.reason == "cancelled"
+    assert isinstance(refusal.error, asyncio.CancelledError)

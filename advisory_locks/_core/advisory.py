@@ -35,6 +35,7 @@ from advisory_locks._core.contract import (
 )
 from advisory_locks._core.events import EventSource, LockEvent
 from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
+from advisory_locks._dialects.base import WAIT_CANCELLED_STATE
 from advisory_locks.errors import (
     LockConnectionLost,
     LockDeadlock,
@@ -319,7 +320,11 @@ class AdvisoryLock(LockContract):
     ) -> None:
         if started is None or not events.listeners:
             return
-        if error is None:
+        if (error is not None and not isinstance(error, Exception)) or _wait_cancelled(state):
+            # The caller gave up: a task cancelled (Django's async acquire asks the server
+            # to end the wait, which it reports as a timeout), or KeyboardInterrupt.
+            reason = "cancelled"
+        elif error is None:
             reason = "busy" if self.options.timeout == 0 else "timeout"
         elif isinstance(error, LockDeadlock):
             reason = "deadlock"
@@ -695,6 +700,14 @@ def _connection_failed(backend: Backend, borrowed: Borrowed, error: Exception) -
         return True
     is_disconnect = getattr(borrowed, "is_disconnect", None)
     return is_disconnect is not None and bool(is_disconnect(error))
+
+
+def _wait_cancelled(state: ConnectionState | None) -> bool:
+    """Whether an ``AbandonableWait`` asked the server to end this connection's wait."""
+    if state is None:
+        return False
+    cancelled = state.driver_state.get(WAIT_CANCELLED_STATE)
+    return isinstance(cancelled, threading.Event) and cancelled.is_set()
 
 
 def _driver_error(error: BaseException) -> BaseException:

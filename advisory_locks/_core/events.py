@@ -67,7 +67,8 @@ class LockEvent:
     :param held: seconds since the grant (``released``, ``lost``, ``stolen``; None when
         the grant was not reported).
     :param reason: ``not_acquired``: ``"busy"`` (``timeout=0``), ``"timeout"``,
-        ``"deadlock"`` or ``"error"``. ``released``: ``"unlock"``, ``"commit"``,
+        ``"deadlock"``, ``"cancelled"`` (the caller gave up: its task was cancelled, or
+        KeyboardInterrupt) or ``"error"``. ``released``: ``"unlock"``, ``"commit"``,
         ``"rollback"`` (also a savepoint's), ``"transaction_ended"`` (a raw driver
         connection, which cannot tell a commit from a rollback), ``"connection_closed"``,
         ``"request_finished"`` (Django: taken in a request, still held at its end),

@@ -3,6 +3,7 @@ and the checkout race the library exists for."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import threading
@@ -23,11 +24,12 @@ from advisory_locks_django import (
     UnsupportedFeature,
     advisory_lock,
     current_advisory_locks,
+    lock_failed,
 )
 from advisory_locks_django.checks import check_databases, check_settings
 from tests.django.support import holders, in_thread, run_in_thread, server_pid
 from tests.django_app.models import Invoice, LedgerEntry, Order, Product
-from tests.helpers import unique_name
+from tests.helpers import unique_name, wait_for, waiter_pids
 
 pytestmark = [
     pytest.mark.postgresql,
@@ -147,6 +149,34 @@ async def test_async_with_raises_when_busy() -> None:
                 pass
         finally:
             holder.set()
+
+
+async def test_a_cancelled_wait_sends_lock_failed_with_reason_cancelled(admin: Admin) -> None:
+    name = unique_name()
+    reasons: list[str] = []
+
+    def failed(sender: Any, **details: Any) -> None:
+        if details["name"] == name:
+            reasons.append(details["reason"])
+
+    holder = await sync_to_async(_hold_in_thread)(name)
+    lock_failed.connect(failed)
+    try:
+        waiting = asyncio.ensure_future(advisory_lock(name).aacquire())
+        await sync_to_async(wait_for, thread_sensitive=False)(
+            lambda: waiter_pids(admin, name) != [], "the server queued the waiter"
+        )
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        # The worker thread reports the wait once the server has ended it.
+        await sync_to_async(wait_for, thread_sensitive=False)(
+            lambda: reasons != [], "lock_failed was sent"
+        )
+    finally:
+        lock_failed.disconnect(failed)
+        holder.set()
+    assert reasons == ["cancelled"]
 
 
 def _hold_in_thread(name: str) -> threading.Event:
