@@ -574,14 +574,20 @@ def test_a_closed_connection_reports_its_locks_lost(connection_target: RawTarget
         lock.release()
 
 
-def test_a_dropped_connection_is_collected_and_its_session_ends(dsn: str, pg_admin: Admin) -> None:
+@pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
+def test_a_dropped_connection_is_collected_and_its_session_ends(
+    dsn: str, pg_admin: Admin, driver: str
+) -> None:
     # The library keeps nothing that would keep a connection alive: dropped without
     # close() (with the lock object that still holds on it), the garbage collector
     # closes it, and the server ends the session and its locks, as without the library.
+    # (psycopg 3 keeps the library's state on the connection; psycopg2's connections
+    # have no attributes of their own, so it lives in a weak mapping there.)
     name = unique_name("raw-dropped")
-    connection = psycopg.connect(dsn)
+    connection: Any = psycopg.connect(dsn) if driver == "psycopg" else psycopg2.connect(dsn)
     lock = advisory_lock(connection, name)
     assert lock.acquire()
+    lock.ensure_held()
     pid = connection.info.backend_pid
     del connection, lock
     with warnings.catch_warnings():

@@ -477,6 +477,27 @@ def test_the_private_psycopg_pool_apis_the_binding_uses_exist() -> None:
     assert async_pool._reset is None
 
 
+async def test_the_library_keeps_no_dropped_asyncpg_connection_alive(dsn: str) -> None:
+    # asyncpg's connections have no attributes of their own: the library's state for one
+    # lives in a weak mapping, and nothing in it may refer back to the connection.
+    import gc
+    import weakref
+
+    name = unique_name("asyncpg-dropped")
+    connection = await asyncpg.connect(dsn)
+    try:
+        lock = advisory_lock(connection, name)
+        assert await lock.acquire()
+        await lock.ensure_held()
+        await lock.release()
+    finally:
+        await connection.close()
+    collected = weakref.ref(connection)
+    del connection, lock
+    gc.collect()
+    assert collected() is None
+
+
 def test_the_private_asyncpg_apis_the_binding_reads_exist() -> None:
     assert _asyncpg_compat.missing_private_apis() == []
     version = ".".join(asyncpg.__version__.split(".")[:2])

@@ -254,11 +254,13 @@ class RawDriver:
         if namespace is not None:
             # On the connection itself (psycopg 3, PyMySQL, mysqlclient): the state's
             # executors refer to the connection, a cycle the garbage collector frees with
-            # it, so a connection dropped without close() still closes. In the weak
-            # mapping (psycopg2 and asyncpg connections have no __dict__) those references
-            # keep the connection alive.
+            # it, so a connection dropped without close() still closes.
             namespace[STATE_ATTRIBUTE] = state
         else:
+            # In the weak mapping (psycopg2 and asyncpg connections have no __dict__),
+            # where a value that refers to its key keeps it alive: the state must not
+            # keep executors, which refer to the connection.
+            state.keeps_executors = False
             _states[connection] = state
 
     # A pool bind's connections (for drivers that have pools).
@@ -303,6 +305,9 @@ class RawConnectionState(ConnectionState):
     connection: weakref.ReferenceType[Any]
     epoch: object
     _executors: tuple[Any, Any] | None = None
+    # False where the state must not refer to its connection (see ``keep_state``): the
+    # executors are then made for each borrow, and live as long as it does.
+    keeps_executors: bool = True
 
     def executors(self, connection: Any) -> tuple[Any, Any]:
         """The executors of session locks (switching a non-autocommit connection to
@@ -310,7 +315,9 @@ class RawConnectionState(ConnectionState):
         locks (in the driver's transaction), made once per connection."""
         executors = self._executors
         if executors is None:
-            executors = self._executors = new_executors(self.driver, connection, self)
+            executors = new_executors(self.driver, connection, self)
+            if self.keeps_executors:
+                self._executors = executors
         return executors
 
     def observe(self) -> None:

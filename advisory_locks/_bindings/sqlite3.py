@@ -34,7 +34,6 @@ from advisory_locks._bindings._raw import (
     RawBinding,
     RawConnectionState,
     RawDriver,
-    new_executors,
 )
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import DBAPIExecutor
@@ -70,10 +69,9 @@ class SQLite3State(RawConnectionState):
         # transaction locks nor a pool that resets sessions.
         pass
 
-    def executors(self, connection: Any) -> tuple[Any, Any]:
-        # Made for each lock and kept by it, never here: an executor refers to its
-        # connection, and this state lives as long as the connection does.
-        return new_executors(self.driver, connection, self)
+    # Executors are made for each borrow, never kept here: an executor refers to its
+    # connection, and this state lives as long as the connection does.
+    keeps_executors = False
 
 
 class SQLite3Executor(DBAPIExecutor):
