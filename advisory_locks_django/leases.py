@@ -382,10 +382,10 @@ class DjangoLeaseSite:
 
     def borrow(self, *, transaction: bool) -> _ThreadBorrow | _OwnConnection:
         wrapper = connections[self.alias]
-        if wrapper.in_atomic_block:
-            # A lease statement must commit on its own, not with the caller's transaction.
+        # A lease statement must commit on its own, not with the caller's transaction:
+        # one is open inside atomic(), and always with autocommit turned off.
+        if wrapper.in_atomic_block or not wrapper.get_autocommit():
             return _OwnConnection(self.alias)
-        wrapper.ensure_connection()
         return _ThreadBorrow(wrapper)
 
     def renewal_connection(self) -> _OwnConnection:

@@ -150,6 +150,34 @@ class TestOnPostgreSQL:
         with pytest.raises(LockStolen, match="thief"):
             stolen_inside()
 
+    def test_manual_transaction_mode_leaves_the_lease_out_of_the_apps_transaction(
+        self, admin: Any
+    ) -> None:
+        # With autocommit off and no atomic(), the thread's connection is in a transaction
+        # the application ends when it likes: a lease written there would be undone by its
+        # rollback (and invisible to other holders until its commit).
+        name = unique_name("lease")
+
+        def holder() -> Any:
+            row = admin.execute(
+                "SELECT holder FROM advisory_locks_lease WHERE name = %s", [name]
+            ).fetchone()
+            return None if row is None else row[0]
+
+        transaction.set_autocommit(False)
+        try:
+            lease = lease_lock(name, ttl=30, key_prefix="")
+            assert lease.acquire()
+            assert holder() is not None  # committed: other connections see it held
+            transaction.rollback()
+            assert holder() is not None
+            lease.ensure_held()
+            lease.release()
+            assert holder() is None
+            transaction.rollback()
+        finally:
+            transaction.set_autocommit(True)
+
     def test_decorator_formats_the_name_and_skips_when_held(self) -> None:
         calls: list[int] = []
 
