@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlalchemy import create_engine
 from sqlalchemy.engine import URL
+from sqlalchemy.orm import Session
 
 from advisory_locks.keys import derive_key
 from advisory_locks.sqlalchemy import advisory_lock
@@ -40,6 +41,10 @@ CLIENTS = {
     "ours.engine": "advisory_lock(engine, name)",
     "ours.engine.timeout": f"advisory_lock(engine, name, timeout={WAIT_SECONDS})",
     "ours.connection.timeout": f"advisory_lock(connection, name, timeout={WAIT_SECONDS})",
+    "ours.session.timeout": f"advisory_lock(session, name, timeout={WAIT_SECONDS})",
+    "ours.psycopg.timeout": (
+        f"advisory_lock(psycopg_connection, name, timeout={WAIT_SECONDS}) (raw driver bind)"
+    ),
     "ours.django.timeout": f"advisory_locks_django.advisory_lock(name, timeout={WAIT_SECONDS})",
     "pglock.timeout": f"django-pglock: pglock.advisory(name, timeout={WAIT_SECONDS})",
     "pals.timeout": f"pals: Locker.lock(name, acquire_timeout={WAIT_SECONDS * 1000})",
@@ -126,6 +131,11 @@ def make_client(
         if kind.startswith("ours.connection"):
             bind = engine.connect()
             stack.callback(bind.close)
+        elif kind.startswith("ours.session"):
+            bind = Session(engine)
+            stack.callback(bind.close)
+        elif kind.startswith("ours.psycopg"):
+            bind = raw_connection(url, stack)
 
         def take_ours() -> Callable[[], None]:
             lock = advisory_lock(bind, name, timeout=timeout)

@@ -1,4 +1,4 @@
-"""Interleaved timing: every case runs once per round, rounds alternate (A B A B ...).
+"""Interleaved timing: every case runs in every round, in alternating small blocks.
 
 A laptop's clock speed, a neighbour's cron job or a vacuum on the server drift over
 seconds; running every case in every round spreads that drift over all cases alike, and a
@@ -95,6 +95,9 @@ class CaseSamples:
     def round_medians(self) -> list[float]:
         return [statistics.median(samples) for samples in self.rounds]
 
+    def cpu_round_medians(self) -> list[float]:
+        return [statistics.median(samples) for samples in self.cpu_rounds]
+
 
 def interleave(
     cases: Sequence[Case],
@@ -102,9 +105,18 @@ def interleave(
     rounds: int,
     iterations: int,
     warmup: int,
+    block: int = 25,
+    pin: Callable[[], None] = _nothing,
     progress: Callable[[str], None] = lambda message: None,
 ) -> dict[str, CaseSamples]:
-    """Time every case ``iterations`` times per round, for ``rounds`` rounds."""
+    """Time every case ``iterations`` times per round, for ``rounds`` rounds.
+
+    Within a round the cases take turns in blocks of ``block`` operations (A A A B B B
+    C C C A A A ...): the cost of a round trip on a shared VM changes several-fold from
+    one second to the next, so a case and its twin must be timed within milliseconds of
+    each other for their ratio to mean anything. ``pin`` runs before every round (it
+    pins any backend a pool opened since).
+    """
     results = {case.name: CaseSamples(case) for case in cases}
     for case in cases:
         case.before_round()
@@ -112,20 +124,31 @@ def interleave(
         for _ in range(warmup):
             case.operation(warming)
         case.after_round()
+    blocks = max(1, -(-iterations // block))
     for number in range(rounds):
+        pin()
         # Rotating the order keeps any case from always running right after another
         # (which can warm or chill the server's caches for it).
         shift = number % len(cases)
-        for case in [*cases[shift:], *cases[:shift]]:
-            timer = Timer()
-            case.before_round()
-            try:
-                for _ in range(iterations):
-                    case.operation(timer)
-            finally:
+        ordered = [*cases[shift:], *cases[:shift]]
+        timers = {case.name: Timer() for case in ordered}
+        started: list[Case] = []
+        try:
+            for case in ordered:
+                case.before_round()
+                started.append(case)
+            for index in range(blocks):
+                count = min(block, iterations - index * block)
+                for case in ordered:
+                    operation, timer = case.operation, timers[case.name]
+                    for _ in range(count):
+                        operation(timer)
+        finally:
+            for case in reversed(started):
                 case.after_round()
-            results[case.name].rounds.append(timer.samples)
-            results[case.name].cpu_rounds.append(timer.cpu_samples)
+        for case in ordered:
+            results[case.name].rounds.append(timers[case.name].samples)
+            results[case.name].cpu_rounds.append(timers[case.name].cpu_samples)
         progress(f"round {number + 1}/{rounds} done")
     return results
 

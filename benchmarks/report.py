@@ -47,6 +47,9 @@ class UncontendedResult:
     # the scheduler wakes processes waiting on a socket.
     cpu_median_us: float
     cpu_ratio_to_floor: float
+    # Median over rounds of (this case's CPU median / its twin's), the twin timed in
+    # alternate blocks with it: the figure the performance targets are set on.
+    cpu_ratio_to_twin: float | None
     round_trips: float | None
 
 
@@ -81,6 +84,13 @@ def _round_ratios(case: CaseSamples, other: CaseSamples) -> list[float]:
     ]
 
 
+def _cpu_round_ratios(case: CaseSamples, other: CaseSamples) -> list[float]:
+    return [
+        mine / theirs
+        for mine, theirs in zip(case.cpu_round_medians(), other.cpu_round_medians(), strict=True)
+    ]
+
+
 def uncontended_results(
     samples: dict[str, CaseSamples], floor: str, round_trips: dict[str, float | None]
 ) -> list[UncontendedResult]:
@@ -110,6 +120,11 @@ def uncontended_results(
                 cpu_ratio_to_floor=(
                     statistics.median(case_samples.all_cpu)
                     / statistics.median(samples[floor].all_cpu)
+                ),
+                cpu_ratio_to_twin=(
+                    statistics.median(_cpu_round_ratios(case_samples, samples[twin]))
+                    if twin in samples
+                    else None
                 ),
                 round_trips=round_trips.get(name),
             )
@@ -156,16 +171,17 @@ def write_table(report: Report, stream: TextIO) -> None:
         print(file=stream)
         print(f"Uncontended acquire + release (floor: {report.floor})", file=stream)
         header = (
-            f"{'case':32} {'median us':>10} {'p90 us':>9} {'x floor':>8} "
-            f"{'x twin':>7} {'cpu us':>7} {'cpu x fl':>8} {'trips':>6}  twin"
+            f"{'case':38} {'median us':>10} {'p90 us':>9} {'x floor':>8} "
+            f"{'x twin':>7} {'cpu us':>7} {'cpu x fl':>8} {'cpu x tw':>8} {'trips':>6}  twin"
         )
         print(header, file=stream)
         print("-" * len(header), file=stream)
         for row in report.uncontended:
             print(
-                f"{row.name:32} {row.median_us:10.1f} {row.p90_us:9.1f} "
+                f"{row.name:38} {row.median_us:10.1f} {row.p90_us:9.1f} "
                 f"{_ratio(row.ratio_to_floor):>8} {_ratio(row.ratio_to_twin):>7} "
                 f"{row.cpu_median_us:7.1f} {_ratio(row.cpu_ratio_to_floor):>8} "
+                f"{_ratio(row.cpu_ratio_to_twin):>8} "
                 f"{_trips(row.round_trips):>6}  {row.twin or ''}",
                 file=stream,
             )
@@ -199,7 +215,8 @@ def _write_throughput(report: Report, stream: TextIO) -> None:
     print(header, file=stream)
     print("-" * len(header), file=stream)
     for row in report.throughput:
-        rounds = " ".join(f"{value:.0f}" for value in row.rounds)
+        rounds = " ".join(f"{value:.0f}" for value in row.rounds[:6])
+        rounds += " ..." if len(row.rounds) > 6 else ""
         print(
             f"{row.name:40} {row.ops_per_second:9.0f} {_ratio(row.ratio_to_raw):>7}  {rounds}",
             file=stream,

@@ -18,11 +18,13 @@ from pathlib import Path
 import psycopg
 import sqlalchemy
 
-from benchmarks.chart import write_handoff_chart
+from benchmarks.chart import write_chart
 from benchmarks.django_cases import django_cases, pals_cases
+from benchmarks.docs_page import DOCS_PAGE, write_docs_page
 from benchmarks.handoff import HANDOFF_VARIANTS, run_handoffs
 from benchmarks.handoff import descriptions as handoff_descriptions
 from benchmarks.measure import Case, interleave
+from benchmarks.pinning import Pinning, server_sockets
 from benchmarks.postgres import URL_VARIABLE, database_url, server_version
 from benchmarks.raw_drivers import raw_driver_cases
 from benchmarks.report import (
@@ -41,7 +43,7 @@ from benchmarks.uncontended import FLOOR, uncontended_cases
 from tests.private_postgres import PrivateServerUnavailable
 
 GROUPS = ("uncontended", "handoff", "throughput", "scale")
-DEFAULT_CHART = Path(tempfile.gettempdir()) / "advisory-locks-handoff.png"
+DEFAULT_CHART = Path(tempfile.gettempdir()) / "advisory-locks-benchmarks.png"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,14 +63,31 @@ def main(argv: list[str] | None = None) -> int:
         cases = _select_cases(_all_cases(url, stack, notes), arguments.only)
         if cases:
             progress(f"counting round trips for {len(cases)} cases")
-            trips = {case.name: count_round_trips(case, arguments.round_trip_ops) for case in cases}
+            port = url.port or 5432
+            trips = {
+                case.name: count_round_trips(
+                    case, arguments.round_trip_ops, lambda: server_sockets(port)
+                )
+                for case in cases
+            }
             progress(f"timing {len(cases)} cases, {arguments.rounds} rounds")
-            samples = interleave(
-                cases,
-                rounds=arguments.rounds,
-                iterations=arguments.iterations,
-                warmup=arguments.warmup,
-                progress=progress,
+            pinning = Pinning(url) if not arguments.no_pin else None
+            try:
+                samples = interleave(
+                    cases,
+                    rounds=arguments.rounds,
+                    iterations=arguments.iterations,
+                    warmup=arguments.warmup,
+                    block=arguments.block,
+                    pin=pinning.pin if pinning is not None else lambda: None,
+                    progress=progress,
+                )
+            finally:
+                if pinning is not None:
+                    pinning.unpin()
+            notes.append(
+                "uncontended: "
+                + (pinning.describe() if pinning is not None else "not pinned (--no-pin)")
             )
             uncontended = uncontended_results(samples, FLOOR, trips)
     variants = [
@@ -110,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": arguments.rounds,
             "iterations": arguments.iterations,
             "warmup": arguments.warmup,
+            "block": arguments.block,
             "handoff_trials": arguments.handoff_trials,
             "polling_trials": arguments.polling_trials,
             "workers": arguments.workers,
@@ -123,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         notes=notes,
     )
     write_table(report, sys.stdout)
-    if handoff:
+    if handoff or throughput:
         title = ", ".join(f"{key} {value}" for key, value in report.environment.items())
-        write_handoff_chart(handoff, arguments.chart, title)
-        print(f"\nHandoff chart written to {arguments.chart}")
+        write_chart(handoff, throughput, arguments.chart, title)
+        print(f"\nChart written to {arguments.chart}")
+    if arguments.docs is not None:
+        write_docs_page(report, arguments.docs, _shown(argv if argv is not None else sys.argv[1:]))
+        print(f"{arguments.docs} regenerated")
     if arguments.json is not None:
         write_json(report, arguments.json)
         print(f"JSON written to {arguments.json}")
@@ -158,6 +181,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--warmup", type=int, default=50, help="untimed operations per case first")
     parser.add_argument(
+        "--block",
+        type=int,
+        default=25,
+        help="operations a case runs before the next case's turn (default 25): a case and "
+        "its twin alternate this often",
+    )
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="do not pin this process and its PostgreSQL backends to one CPU while timing",
+    )
+    parser.add_argument(
+        "--docs",
+        nargs="?",
+        type=Path,
+        const=DOCS_PAGE,
+        help=f"regenerate the figures in the docs page from this run (default {DOCS_PAGE})",
+    )
+    parser.add_argument(
         "--handoff-trials", type=int, default=200, help="handoffs per server-side variant"
     )
     parser.add_argument(
@@ -170,7 +212,7 @@ def _parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=4, help="throughput worker processes (default 4)"
     )
     parser.add_argument(
-        "--throughput-seconds", type=float, default=1.0, help="length of one throughput sample"
+        "--throughput-seconds", type=float, default=0.5, help="length of one throughput sample"
     )
     parser.add_argument(
         "--throughput-rounds", type=int, default=3, help="interleaved throughput rounds"
@@ -179,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
         "--chart",
         type=Path,
         default=DEFAULT_CHART,
-        help=f"where the handoff latency PNG goes (default {DEFAULT_CHART})",
+        help=f"where the handoff and throughput PNG goes (default {DEFAULT_CHART})",
     )
     parser.add_argument("--json", type=Path, help="also write the full report as JSON here")
     parser.add_argument(
@@ -192,6 +234,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
+
+
+def _shown(argv: list[str]) -> list[str]:
+    """The arguments that change what is measured (not where the output goes)."""
+    shown, skip = [], False
+    for argument in argv:
+        if skip:
+            skip = False
+        elif argument in ("--json", "--chart"):
+            skip = True
+        elif not argument.startswith(("--json=", "--chart=", "--docs", "--quiet")):
+            shown.append(argument)
+    return shown
 
 
 def _runs(patterns: list[str] | None, group: str, name: str) -> bool:
@@ -223,7 +278,19 @@ def _environment(url: sqlalchemy.engine.URL) -> dict[str, str]:
         "host": url.host or "local socket",
         "platform": platform.platform(terse=True),
         "cpus": str(os.cpu_count()),
+        "cpu model": _cpu_model(),
     }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":
