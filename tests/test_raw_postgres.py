@@ -454,6 +454,59 @@ def test_a_lock_left_on_a_connection_given_back_to_its_pool_is_released_and_lost
     )
 
 
+@pytest.mark.parametrize("pool_class", ["SimpleConnectionPool", "ThreadedConnectionPool"])
+@pytest.mark.parametrize("state", ["idle", "in_transaction", "failed_transaction"])
+def test_a_lock_left_on_a_connection_given_back_to_a_psycopg2_pool_is_released(
+    dsn: str, pg_admin: Admin, pool_class: str, state: str
+) -> None:
+    import psycopg2.pool
+
+    name = unique_name("psycopg2-pool-checkin")
+    pool = getattr(psycopg2.pool, pool_class)(1, 1, dsn)
+    try:
+        connection = pool.getconn()
+        first = advisory_lock(connection, name, timeout=0)
+        assert first.acquire()
+        if state != "idle":
+            cursor = connection.cursor()
+            cursor.execute("SELECT 1")
+            if state == "failed_transaction":
+                with pytest.raises(psycopg2.Error):
+                    cursor.execute("SELECT 1/0")
+        pool.putconn(connection)
+        if state == "failed_transaction":
+            # The unlock failed, so the pool closed the connection: its server session
+            # ends, and its locks with it, a moment later.
+            wait_for(lambda: holder_pids(pg_admin, name) == [], "the closed session ended")
+        assert holder_pids(pg_admin, name) == []
+        with pytest.raises(LockLost):
+            first.ensure_held()
+        again = pool.getconn()
+        # A failed transaction made the unlock fail: the pool closed that connection.
+        assert (again is connection) == (state != "failed_transaction")
+        second = advisory_lock(again, name, timeout=0)
+        assert second.acquire()
+        assert not is_free(dsn, name)
+        second.release()
+        pool.putconn(again)
+    finally:
+        pool.closeall()
+    assert is_free(dsn, name)
+
+
+def test_the_private_psycopg2_api_the_binding_patches_exists() -> None:
+    import inspect
+
+    import psycopg2.pool
+
+    from advisory_locks._bindings import _psycopg2_compat
+
+    version = ".".join(psycopg2.__version__.split(".")[:2])
+    assert version in _psycopg2_compat.CHECKED_VERSIONS
+    parameters = list(inspect.signature(psycopg2.pool.AbstractConnectionPool._putconn).parameters)
+    assert parameters == ["self", "conn", "key", "close"]
+
+
 def test_a_pool_connection_whose_unlock_fails_at_checkin_is_closed_not_reused(
     dsn: str, pg_admin: Admin
 ) -> None:

@@ -1,5 +1,6 @@
 """psycopg2 connections as binds (blocking). psycopg2's own pools hand out these
-connections; pass the connection."""
+connections; pass the connection. A session lock still held on a connection given back to
+a ``psycopg2.pool`` pool is unlocked on its way in (``_psycopg2_compat``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Any
 
 from psycopg2.extensions import connection as Psycopg2Connection
 
-from advisory_locks._bindings._raw import RawBinding, RawDriver
+from advisory_locks._bindings._psycopg2_compat import guard_pool_checkins
+from advisory_locks._bindings._raw import RawBinding, RawDriver, release_at_checkin
 from advisory_locks._core.dispatch import register_binding
+from advisory_locks._core.steps import run_steps
 
 __all__ = ["Psycopg2Driver"]
 
@@ -36,4 +39,18 @@ class Psycopg2Driver(RawDriver):
         connection.autocommit = value
 
 
-register_binding([Psycopg2Connection], RawBinding(Psycopg2Driver()))
+_DRIVER = Psycopg2Driver()
+
+
+def _checked_in(connection: Any) -> bool:
+    """Unlock what a connection given back to a psycopg2 pool still holds (see
+    ``release_at_checkin``); False when that failed, and the pool must close it."""
+    try:
+        run_steps(release_at_checkin(_DRIVER, connection))
+    except Exception:
+        return False
+    return True
+
+
+guard_pool_checkins(_checked_in)
+register_binding([Psycopg2Connection], RawBinding(_DRIVER))
