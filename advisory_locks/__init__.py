@@ -1,7 +1,8 @@
 """Database-held named locks for SQLAlchemy, Django and the raw database drivers.
 
 Public API: ``advisory_lock()``, ``advisory_lock_set()``, ``current_advisory_locks()``,
-``declare_pooler()`` (raw driver pools and connections), ``lease_lock()``, ``lock_key()``,
+``declare_pooler()`` (raw driver pools and connections), ``lease_lock()``,
+``prune_leases()``, ``lock_key()``,
 the lock objects and the errors below. Importing this package loads no ORM and no driver:
 the binding for a bind is imported the first time such a bind is used (``import
 advisory_locks.sqlalchemy`` early to register SQLAlchemy's listeners before the first
@@ -22,6 +23,7 @@ from advisory_locks._core.dispatch import (
     advisory_lock_set,
     current_advisory_locks,
     lease_lock,
+    prune_leases,
 )
 from advisory_locks._core.lease import LeaseLock
 from advisory_locks.errors import (
@@ -63,6 +65,7 @@ __all__ = [
     "declare_pooler",
     "lease_lock",
     "lock_key",
+    "prune_leases",
 ]
 
 __version__ = "0.1.0.dev0"

@@ -51,6 +51,7 @@ __all__ = [
     "mysql_key_details",
     "mysql_key_document",
     "mysql_lock_name",
+    "prune_summary",
     "rails_comment_name",
 ]
 
@@ -434,6 +435,15 @@ def leases_table(rows: list[LeaseRow]) -> str:
     lines.append("")
     lines.append("Times are the database server's; TOKEN counts the acquisitions of each name")
     return "\n".join(lines) + "\n"
+
+
+def prune_summary(pruned: int, older_than: float) -> str:
+    """What ``leases --prune`` did, in one line."""
+    leases = "lease" if pruned == 1 else "leases"
+    return (
+        f"Pruned {pruned} {leases} expired more than {older_than:g} s ago "
+        "(holders cleared; rows and tokens kept).\n"
+    )
 
 
 def _name_cell(name: LockName | None) -> str:

@@ -28,6 +28,7 @@ from advisory_locks._monitoring import (
     mysql_key_details,
     mysql_key_document,
     mysql_lock_name,
+    prune_summary,
 )
 from advisory_locks.errors import AdvisoryLockError
 from advisory_locks.keys import (
@@ -214,7 +215,24 @@ def _parser() -> argparse.ArgumentParser:
     leases.add_argument(
         "--json", action="store_true", help="print a JSON array, one object a lease"
     )
+    leases.add_argument(
+        "--prune",
+        type=_age,
+        metavar="AGE",
+        help="instead of listing, clear the holders of leases expired for more than AGE "
+        "(seconds, or 90s, 15m, 2h, 7d) by the database's clock; rows and their tokens "
+        "stay, so tokens never reset",
+    )
     return parser
+
+
+def _age(text: str) -> float:
+    from advisory_locks._core.prune import parse_age
+
+    try:
+        return parse_age(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive_seconds(text: str) -> float:
@@ -307,6 +325,14 @@ def _url_from(arguments: argparse.Namespace) -> str:
 
 
 def _run_leases(arguments: argparse.Namespace, out: TextIO) -> int:
+    if arguments.prune is not None:
+        pruned = _prune_leases(_url_from(arguments), arguments.prune)
+        if arguments.json:
+            json.dump({"pruned": pruned}, out)
+            out.write("\n")
+        else:
+            out.write(prune_summary(pruned, arguments.prune))
+        return 0
     rows = _fetch_leases(_url_from(arguments))
     if arguments.json:
         json.dump([lease_document(row) for row in rows], out, ensure_ascii=False, indent=2)
@@ -343,6 +369,40 @@ def _fetch_leases(url_text: str) -> list[LeaseRow]:
         raise UsageError(f"cannot list leases on {shown}: {_first_line(error)}") from None
 
 
+def _prune_leases(url_text: str, older_than: float) -> int:
+    """Prune the leases of the database at ``url_text`` (``prune_leases()``)."""
+    try:
+        from sqlalchemy import create_engine
+        from sqlalchemy.exc import SQLAlchemyError
+        from sqlalchemy.pool import NullPool
+    except ImportError:
+        raise UsageError("needs SQLAlchemy: pip install 'advisory-locks[sqlalchemy]'") from None
+    from advisory_locks._bindings.sqlalchemy_lease import CREATE_HINT
+    from advisory_locks._core.dispatch import prune_leases
+    from advisory_locks.errors import LeaseTableMissing
+
+    shown = url_text
+    try:
+        url = _sync_url(url_text)
+        shown = url.render_as_string(hide_password=True)
+        engine = create_engine(url, poolclass=NullPool, connect_args=_connect_args(url))
+        try:
+            return prune_leases(engine, older_than=older_than)
+        finally:
+            engine.dispose()
+    except LeaseTableMissing:
+        raise UsageError(f"no leases on {shown}: {CREATE_HINT}") from None
+    except (SQLAlchemyError, AdvisoryLockError, ImportError, ValueError) as error:
+        raise UsageError(f"cannot prune leases on {shown}: {_first_line(error)}") from None
+
+
+def _connect_args(url: Any) -> dict[str, Any]:
+    connect_args: dict[str, Any] = {}
+    if url.get_driver_name() in ("psycopg", "psycopg2") and "connect_timeout" not in url.query:
+        connect_args["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
+    return connect_args
+
+
 @contextlib.contextmanager
 def _connected(url: Any) -> Iterator[Any]:
     """An executor on a new connection to ``url`` (closed at the end)."""
@@ -351,10 +411,7 @@ def _connected(url: Any) -> Iterator[Any]:
 
     from advisory_locks._core.executors import DBAPIExecutor
 
-    connect_args = {}
-    if url.get_driver_name() in ("psycopg", "psycopg2") and "connect_timeout" not in url.query:
-        connect_args["connect_timeout"] = CONNECT_TIMEOUT_SECONDS
-    engine = create_engine(url, poolclass=NullPool, connect_args=connect_args)
+    engine = create_engine(url, poolclass=NullPool, connect_args=_connect_args(url))
     try:
         with engine.connect() as connection:
             yield DBAPIExecutor(connection.connection.dbapi_connection)

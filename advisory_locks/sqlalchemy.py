@@ -25,6 +25,7 @@ from advisory_locks._core.dispatch import (
     advisory_lock_set,
     current_advisory_locks,
     lease_lock,
+    prune_leases,
 )
 from advisory_locks.keys import KeyScheme, LockName
 
@@ -42,6 +43,7 @@ __all__ = [
     "current_advisory_locks",
     "lease_lock",
     "lease_table",
+    "prune_leases",
 ]
 
 

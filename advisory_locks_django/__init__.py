@@ -1,8 +1,8 @@
 """Django integration for advisory-locks: add ``"advisory_locks_django"`` to INSTALLED_APPS.
 
-Public API: ``advisory_lock()``, ``DjangoAdvisoryLock``,
-``current_advisory_locks()``, ``lease_lock()`` / ``DjangoLeaseLock`` (lease locks; the
-``Lease`` model is in ``advisory_locks_django.models``), the managers and querysets, and the signals
+Public API: ``advisory_lock()``, ``DjangoAdvisoryLock``, ``current_advisory_locks()``,
+``lease_lock()`` / ``DjangoLeaseLock`` and ``prune_leases()`` (lease locks; the ``Lease``
+model is in ``advisory_locks_django.models``), the managers and querysets, and the signals
 ``lock_acquired``, ``lock_released`` and ``lock_failed``. See docs/django.md.
 """
 
@@ -17,7 +17,7 @@ from advisory_locks.errors import (
     UnsupportedDatabase,
     UnsupportedFeature,
 )
-from advisory_locks_django.leases import DjangoLeaseLock, lease_lock
+from advisory_locks_django.leases import DjangoLeaseLock, lease_lock, prune_leases
 from advisory_locks_django.locks import DjangoAdvisoryLock, advisory_lock, current_advisory_locks
 from advisory_locks_django.managers import (
     AdvisoryLockManager,
@@ -49,4 +49,5 @@ __all__ = [
     "lock_acquired",
     "lock_failed",
     "lock_released",
+    "prune_leases",
 ]

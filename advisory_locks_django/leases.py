@@ -18,6 +18,7 @@ SQLAlchemy worker uses, so the two exclude each other by name.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import logging
@@ -33,6 +34,7 @@ from advisory_locks._core.contract import Timeout, reported_inside
 from advisory_locks._core.executors import DBAPIExecutor
 from advisory_locks._core.lease import LeaseLock, LeaseOptions, lease_name
 from advisory_locks._core.listener import LISTENING_DRIVERS, ReleaseListener
+from advisory_locks._core.prune import prune, prune_age
 from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
 from advisory_locks.errors import LockLost, UnsupportedFeature
 from advisory_locks_django._binding import DjangoExecutor
@@ -40,7 +42,7 @@ from advisory_locks_django._compat import new_wrapper
 from advisory_locks_django.conf import SESSION_UNSAFE_POOLERS, lock_settings
 from advisory_locks_django.locks import DEFAULT, _Default, _name_factory
 
-__all__ = ["DjangoLeaseLock", "lease_lock"]
+__all__ = ["DjangoLeaseLock", "lease_lock", "prune_leases"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -93,6 +95,26 @@ def lease_lock(
         key_prefix=key_prefix,
         skip_if_locked=skip_if_locked,
     )
+
+
+def prune_leases(*, older_than: float | datetime.timedelta, using: str = DEFAULT_DB_ALIAS) -> int:
+    """Clear the holders of leases on ``using`` that expired more than ``older_than``
+    ago, by the database server's clock; return how many were cleared.
+
+    Rows are never deleted, so a pruned name's next acquire gets the next fencing token;
+    a lease that has not expired is never pruned, whatever the age. The command line
+    equivalent is ``manage.py advisory_locks leases --prune AGE``.
+
+    :param older_than: seconds (or a ``datetime.timedelta``) from 0 (every expired
+        lease) to 100 years.
+    :param using: the database alias that holds the leases.
+    :raises TypeError: ``older_than`` is not a number or timedelta, before any SQL.
+    :raises ValueError: ``older_than`` is negative, NaN, infinite or over 100 years, or
+        ``using`` is not an alias, before any SQL.
+    :raises LeaseTableMissing: the alias's database has no lease table (run ``migrate``).
+    """
+    seconds = prune_age(older_than)
+    return prune(lease_site(using), seconds)
 
 
 class DjangoLeaseLock:

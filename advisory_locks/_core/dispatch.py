@@ -9,6 +9,7 @@ SQLAlchemy.
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import threading
 from collections.abc import Iterable
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, overload
 
 from advisory_locks._core.contract import LockOptions, Timeout
 from advisory_locks._core.lease import DEFAULT_TTL, LeaseLock, LeaseOptions, lease_name
+from advisory_locks._core.prune import prune, prune_age
 from advisory_locks.errors import UnsupportedFeature
 from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
 
@@ -46,6 +48,7 @@ __all__ = [
     "binding_for",
     "current_advisory_locks",
     "lease_lock",
+    "prune_leases",
     "register_binding",
 ]
 
@@ -349,3 +352,36 @@ def lease_lock(
             "SQLAlchemy Engine, Session or Connection"
         )
     return LeaseLock(make_site(bind), name, stored_name, options)
+
+
+def prune_leases(bind: object, *, older_than: float | datetime.timedelta) -> int:
+    """Clear the holders of leases that expired more than ``older_than`` ago, by the
+    database server's clock; return how many were cleared.
+
+    Rows are never deleted: a pruned name's next acquire gets the next token (tokens
+    never reset). A lease that has not expired is never pruned, whatever the age, so
+    this is safe to run at any time (from cron: ``advisory-locks leases --prune 1d``).
+    It only tidies the table for people reading it (``advisory-locks leases``, the Django
+    admin): an expired lease is free to acquire whether it was pruned or not.
+
+    Args:
+        bind: a SQLAlchemy ``Engine``, ``Session`` or ``Connection``; the statement runs
+            on a connection borrowed from its Engine's pool, in its own transaction.
+        older_than: seconds (or a ``datetime.timedelta``) from 0 (every expired lease)
+            to 100 years.
+
+    Raises:
+        TypeError: ``older_than`` is not a number or timedelta, before any SQL.
+        ValueError: ``older_than`` is negative, NaN, infinite or over 100 years, before
+            any SQL.
+        UnsupportedFeature: a bind that cannot hold leases.
+        LeaseTableMissing: the database has no ``advisory_locks_lease``.
+    """
+    seconds = prune_age(older_than)
+    make_site = getattr(binding_for(bind), "lease_site", None)
+    if make_site is None:
+        raise UnsupportedFeature(
+            f"lease locks are not available for {type(bind).__name__} binds yet; pass a "
+            "SQLAlchemy Engine, Session or Connection"
+        )
+    return prune(make_site(bind), seconds)

@@ -92,3 +92,74 @@ def test_leases_without_the_table_is_a_command_error(
                 _command("leases", "--database", "sqlite")
         finally:
             connections["sqlite"].close()
+
+
+def test_prune_clears_an_abandoned_lease_keeps_a_live_one_and_counts_tokens_on(
+    alias_and_url: tuple[str, URL],
+) -> None:
+    from advisory_locks._core.renewer import renewer
+    from advisory_locks_django import prune_leases
+
+    alias, url = alias_and_url
+    abandoned_name, live_name = unique_name(), unique_name()
+    engine = create_engine(url)
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        abandoned = lease_lock(engine, abandoned_name, ttl=30.0, timeout=0)
+        assert abandoned.acquire()
+        renewer().forget(abandoned._holding)  # type: ignore[arg-type] # as a crashed holder
+        with admin.connect() as connection:  # expired just over an hour ago, by the server
+            connection.execute(_expire_ago(alias), {"name": abandoned_name, "seconds": 3601})
+        with lease_lock(engine, live_name, ttl=30.0, timeout=0) as live:
+            prune_leases(older_than=7200, using=alias)
+            assert _holder(alias, abandoned_name) is not None  # expired 1 h ago, not 2
+            out = json.loads(_command("leases", "--prune", "1h", "--json", "--database", alias))
+            assert out["pruned"] >= 1
+            assert _command("leases", "--prune", "0", "--database", alias).startswith("Pruned ")
+            live.ensure_held()
+        listed = _listed(alias)
+        assert listed[abandoned_name]["holder"] is None
+        assert listed[abandoned_name]["token"] == abandoned.token
+        with lease_lock(engine, abandoned_name, timeout=0) as again:
+            assert again.token == abandoned.token + 1  # type: ignore[operator]
+    finally:
+        engine.dispose()
+        admin.dispose()
+
+
+def _listed(alias: str) -> dict[str, Any]:
+    return {
+        row["name"]: row for row in json.loads(_command("leases", "--json", "--database", alias))
+    }
+
+
+def _holder(alias: str, name: str) -> Any:
+    return _listed(alias)[name]["holder"]
+
+
+def _expire_ago(alias: str) -> Any:
+    from sqlalchemy import text
+
+    expired = {
+        "default": "clock_timestamp() - :seconds * interval '1 second'",
+        "mysql": "UTC_TIMESTAMP(6) - INTERVAL :seconds SECOND",
+        "sqlite": "strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || :seconds || ' seconds')",
+    }[alias]
+    return text(f"UPDATE advisory_locks_lease SET expires_at = {expired} WHERE name = :name")
+
+
+@pytest.mark.parametrize("age", ["-1", "later", "1y"])
+def test_prune_refuses_a_bad_age_before_any_sql(age: str) -> None:
+    with pytest.raises(CommandError, match=r"not an age|between 0"):
+        _command("leases", "--prune", age, "--database", "nowhere")
+
+
+def test_prune_leases_refuses_a_bad_age_or_alias_before_any_sql() -> None:
+    from advisory_locks_django import prune_leases
+
+    with pytest.raises(ValueError, match="older_than"):
+        prune_leases(older_than=-1, using="nowhere")
+    with pytest.raises(TypeError, match="older_than"):
+        prune_leases(older_than="1h", using="default")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown database alias"):
+        prune_leases(older_than=0, using="nowhere")

@@ -1,6 +1,7 @@
 """``manage.py advisory_locks list|key|leases``: the ``advisory-locks`` command, on Django.
 
-Leases (``leases``) print the CLI's lease table for an alias's database.
+Leases (``leases``) print the CLI's lease table for an alias's database; ``leases
+--prune AGE`` clears the holders of leases expired for longer than AGE.
 
 The listing and its table are the core CLI's (the backend's ``list_locks`` and
 ``advisory_locks._monitoring``, which also reads the Rails gem's query comments and guesses
@@ -15,12 +16,13 @@ name on MySQL and MariaDB.
 from __future__ import annotations
 
 import json
-from argparse import ArgumentParser
+from argparse import ArgumentParser, ArgumentTypeError
 from typing import Any, TextIO, cast
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 
+from advisory_locks._core.prune import parse_age
 from advisory_locks._dialects.lease import LEASE_TABLE
 from advisory_locks._monitoring import (
     Identity,
@@ -35,11 +37,13 @@ from advisory_locks._monitoring import (
     mysql_key_details,
     mysql_key_document,
     mysql_lock_name,
+    prune_summary,
 )
 from advisory_locks.errors import AdvisoryLockError
 from advisory_locks.keys import KEY_SCHEMES, derive_key
 from advisory_locks_django._binding import backend_for_alias
 from advisory_locks_django.conf import lock_settings
+from advisory_locks_django.leases import prune_leases
 from advisory_locks_django.listing import known_names, list_leases, list_locks
 
 DIALECTS = ("postgresql", "mysql")
@@ -81,6 +85,14 @@ class Command(BaseCommand):
         )
         leases.add_argument("--database", default=DEFAULT_DB_ALIAS, help="database alias")
         leases.add_argument("--json", action="store_true", help="print a JSON array")
+        leases.add_argument(
+            "--prune",
+            type=_age,
+            metavar="AGE",
+            help="instead of listing, clear the holders of leases expired for more than AGE "
+            "(seconds, or 90s, 15m, 2h, 7d) by the database's clock; rows and their "
+            "tokens stay",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
@@ -139,6 +151,13 @@ class Command(BaseCommand):
         alias = options["database"]
         if alias not in connections:
             raise CommandError(f"unknown database alias {alias!r}")
+        if options.get("prune") is not None:
+            pruned = prune_leases(older_than=options["prune"], using=alias)
+            if options["json"]:
+                self.stdout.write(json.dumps({"pruned": pruned}))
+            else:
+                self.stdout.write(prune_summary(pruned, options["prune"]), ending="")
+            return
         rows = list_leases(alias)
         if rows is None:
             raise CommandError(
@@ -150,6 +169,13 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(documents, ensure_ascii=False, indent=2))
             return
         self.stdout.write(leases_table(rows), ending="")
+
+
+def _age(text: str) -> float:
+    try:
+        return parse_age(text)
+    except ValueError as error:
+        raise ArgumentTypeError(str(error)) from None
 
 
 def _dialect(alias: str) -> str:
