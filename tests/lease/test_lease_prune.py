@@ -119,7 +119,7 @@ def test_a_bad_age_is_refused_before_any_sql(
     with pytest.raises(error, match="older_than"):
         prune_leases(engine, older_than=age)
     assert statements == []
-    assert engine.pool.checkedout() == 0
+    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     engine.dispose()
 
 

@@ -73,3 +73,34 @@ def increment(url: str, name: str, times: int, ttl: float, writer: str, start: E
                 },
             )
     engine.dispose()
+
+
+def increment_through_pooler(
+    url: str, name: str, table: str, times: int, start: Event, report: Queue[Any]
+) -> None:
+    """``times`` read-modify-write increments of ``table``'s counter through a transaction
+    pooler (the engine declared so), each under the lease and guarded by its fence; report
+    the tokens held, the server connections used and whether a LISTEN was set up."""
+    from advisory_locks._bindings.sqlalchemy_lease import lease_site
+
+    engine = create_engine(
+        url,
+        pool_size=1,
+        max_overflow=0,
+        connect_args={"prepare_threshold": None},
+        execution_options={"advisory_locks_pooler": "transaction"},
+    )
+    tokens: list[int] = []
+    server_pids: set[int] = set()
+    start.wait()
+    for _ in range(times):
+        with lease_lock(engine, name, ttl=10, timeout=120) as lease, engine.begin() as connection:
+            lease.fence(connection)
+            value = connection.scalar(text(f'SELECT value FROM "{table}"'))
+            server_pids.add(int(connection.scalar(text("SELECT pg_backend_pid()"))))
+            connection.execute(text(f'UPDATE "{table}" SET value = :value'), {"value": value + 1})
+            assert lease.token is not None
+            tokens.append(lease.token)
+    listened = lease_site(engine)._listener is not None
+    engine.dispose()
+    report.put((tokens, sorted(server_pids), listened))
