@@ -59,3 +59,21 @@ class BackfillRun(models.Model):
 
     name = models.CharField(max_length=100, unique=True)
     finished_at = models.DateTimeField(auto_now_add=True)
+
+
+class FeedItem(models.Model):
+    """An item of a supplier's feed, waiting to be checked (the `feed_checker` job)."""
+
+    feed = models.CharField(max_length=100)
+    number = models.PositiveIntegerField()
+    checked = models.BooleanField(default=False)
+
+
+class FeedCheck(models.Model):
+    """One check of a feed item, with the lease token of the worker that made it. Two rows
+    for one item is the bug that fence() prevents (deliberately no unique constraint)."""
+
+    item = models.ForeignKey(FeedItem, on_delete=models.CASCADE, related_name="checks")
+    worker = models.CharField(max_length=100)
+    token = models.BigIntegerField()
+    checked_at = models.DateTimeField(auto_now_add=True)
