@@ -49,6 +49,7 @@ from advisory_locks._core.connection import (
     check_server,
     finish_pending_releases,
     release_session_locks,
+    server_checked,
 )
 from advisory_locks._core.executors import DBAPIExecutor, detach_inherited_connection
 from advisory_locks._core.steps import Executor, Statement, on, run_steps
@@ -478,19 +479,21 @@ class DjangoBorrow:
                 wrapper, self.dbapi_connection, self.registry.driver_state
             )
         self.executor = self.registry.executor
-        run_steps(
-            check_server(
-                self.registry,
-                self.executor,
-                self.dbapi_connection,
-                # Transaction poolers were refused above with Django's own wording.
-                pooler=None if pooler is None else "session",
-                session_lock=not transaction,
-                declare_pooler=(
-                    f"ADVISORY_LOCKS['POOLERS'] = {{{site.alias!r}: 'pgbouncer-session'}}"
-                ),
+        # Transaction poolers were refused above with Django's own wording.
+        declared = None if pooler is None else "session"
+        if not server_checked(self.registry, declared):
+            run_steps(
+                check_server(
+                    self.registry,
+                    self.executor,
+                    self.dbapi_connection,
+                    pooler=declared,
+                    session_lock=not transaction,
+                    declare_pooler=(
+                        f"ADVISORY_LOCKS['POOLERS'] = {{{site.alias!r}: 'pgbouncer-session'}}"
+                    ),
+                )
             )
-        )
         if self.registry.pending_release and not self.in_transaction:
             release_pending(self.registry, self.registry.executor)
 

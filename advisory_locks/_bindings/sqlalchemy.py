@@ -72,6 +72,7 @@ from advisory_locks._core.connection import (
     current_process_id,
     finish_pending_releases,
     release_session_locks,
+    server_checked,
 )
 from advisory_locks._core.contract import LockOptions, Timeout
 from advisory_locks._core.dispatch import register_binding
@@ -315,9 +316,10 @@ def _inside_transaction(fairy: PoolProxiedConnection, *connections: Connection |
     """Whether a statement sent now on this connection runs inside an open transaction,
     which a lock must join rather than end: one SQLAlchemy began on it, or one the driver
     reports (another user of a single-connection pool, or the driver used directly)."""
-    if any(connection is not None and connection.in_transaction() for connection in connections):
-        # SQLAlchemy keeps "transactions" on AUTOCOMMIT connections too; none is open.
-        return not driver_autocommit(fairy.dbapi_connection)
+    for connection in connections:
+        if connection is not None and connection.in_transaction():
+            # SQLAlchemy keeps "transactions" on AUTOCOMMIT connections too; none is open.
+            return not driver_autocommit(fairy.dbapi_connection)
     return driver_in_transaction(fairy.driver_connection) is True
 
 
@@ -505,17 +507,19 @@ class ConnectionBorrow(_SettledAtOnce):
             )
         self.connection = connection
         self.state = connection_state(info, backend)
-        run_steps(
-            check_server(
-                self.state,
-                self.executor,
-                fairy.driver_connection,
-                pooler=_declared_pooler(connection.get_execution_options()),
-                session_lock=not transaction,
-                declare_pooler=DECLARE_POOLER,
-                transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
+        pooler = _declared_pooler(connection.get_execution_options())
+        if not server_checked(self.state, pooler):
+            run_steps(
+                check_server(
+                    self.state,
+                    self.executor,
+                    fairy.driver_connection,
+                    pooler=pooler,
+                    session_lock=not transaction,
+                    declare_pooler=DECLARE_POOLER,
+                    transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
+                )
             )
-        )
         self.in_transaction = transaction or _inside_transaction(fairy, connection)
         if self.state.pending_release and not connection.in_transaction():
             # A failed transaction postponed these unlocks and has ended since.
@@ -580,10 +584,10 @@ class _AutocommitExecutor:
         fairy = self.fairy
         info = fairy.info
         executor = executor_for(fairy, info)
-        if AUTOCOMMIT_INFO_KEY in info or self.inside():
-            return executor.execute(statement)
         dbapi = fairy.dbapi_connection
-        if driver_autocommit(dbapi):
+        # In autocommit already, or inside a transaction the statement joins: it runs as
+        # it is either way (the cheaper question first).
+        if AUTOCOMMIT_INFO_KEY in info or driver_autocommit(dbapi) or self.inside():
             return executor.execute(statement)
         previous = set_driver_autocommit(dbapi, True)
         if self.persist:
@@ -642,17 +646,19 @@ class PooledBorrow(_SettledAtOnce):
                 if backend.locks_on_server and not driver_autocommit(dbapi):
                     fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
                 self.executor = executor_for(fairy, fairy.info)
-            run_steps(
-                check_server(
-                    self.state,
-                    self.executor,
-                    fairy.driver_connection,
-                    pooler=_declared_pooler(engine.get_execution_options()),
-                    session_lock=True,
-                    declare_pooler=DECLARE_POOLER,
-                    transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
+            pooler = _declared_pooler(engine.get_execution_options())
+            if not server_checked(self.state, pooler):
+                run_steps(
+                    check_server(
+                        self.state,
+                        self.executor,
+                        fairy.driver_connection,
+                        pooler=pooler,
+                        session_lock=True,
+                        declare_pooler=DECLARE_POOLER,
+                        transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
+                    )
                 )
-            )
         except BaseException as error:
             if isinstance(error, Exception) and (
                 backend.is_connection_failure(error) or self.is_disconnect(error)
@@ -995,17 +1001,19 @@ class PinnedBorrow(_SettledAtOnce):
         if self.state.inherited:
             return  # a forked child's copy: nothing may be sent (the lock refuses it)
         try:
-            run_steps(
-                check_server(
-                    self.state,
-                    self.executor,
-                    fairy.driver_connection,
-                    pooler=_declared_pooler(pin.connection.get_execution_options()),
-                    session_lock=True,
-                    declare_pooler=DECLARE_POOLER,
-                    transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
+            pooler = _declared_pooler(pin.connection.get_execution_options())
+            if not server_checked(self.state, pooler):
+                run_steps(
+                    check_server(
+                        self.state,
+                        self.executor,
+                        fairy.driver_connection,
+                        pooler=pooler,
+                        session_lock=True,
+                        declare_pooler=DECLARE_POOLER,
+                        transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
+                    )
                 )
-            )
         except Exception as error:
             if not (pin.backend.is_connection_failure(error) or self.is_disconnect(error)):
                 raise

@@ -45,6 +45,7 @@ __all__ = [
     "inherited_connection_error",
     "report_grant",
     "report_loss",
+    "server_checked",
 ]
 
 logger = logging.getLogger("advisory_locks")
@@ -293,6 +294,13 @@ def inherited_connection_error(name: LockName, state: ConnectionState) -> LockUs
         "is the parent's. Open the child's own connections: with SQLAlchemy, call "
         "engine.dispose(close=False) first thing in the child"
     )
+
+
+def server_checked(state: ConnectionState, pooler: object) -> bool:
+    """Whether ``check_server`` would send nothing and refuse nothing: the server was asked
+    already, statements reach it directly, and no pooler is declared. Every lock after a
+    connection's first is this case; testing it costs less than running the steps."""
+    return pooler is None and state.behind_proxy is False
 
 
 def check_server(

@@ -137,30 +137,65 @@ def protocol_session_id(driver_connection: Any) -> int | None:
     return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
+# What a driver connection's class offers, found once per class: the readers below run
+# for every lock statement, and a chain of getattr probes each time cost more than the
+# rest of the check. A class never changes which of these it is.
+_SQLITE3: Final = 1
+_AUTOCOMMIT_METHOD: Final = 2  # PyMySQL, mysqlclient: autocommit(value) / get_autocommit()
+_IN_TRANSACTION_METHOD: Final = 4  # asyncpg: is_in_transaction()
+# psycopg 3: its public ``pgconn`` tells libpq's transaction status as an int, without the
+# ConnectionInfo object and enum that ``info.transaction_status`` builds on every read.
+_PGCONN: Final = 8
+_kinds: dict[type, int] = {}
+
+
+def _kind(connection: Any) -> int:
+    cls = type(connection)
+    kind = _kinds.get(cls)
+    if kind is None:
+        kind = 0
+        if cls.__module__ in ("sqlite3", "_sqlite3"):
+            kind |= _SQLITE3
+        if callable(getattr(cls, "get_autocommit", None)):
+            kind |= _AUTOCOMMIT_METHOD
+        if callable(getattr(cls, "is_in_transaction", None)):
+            kind |= _IN_TRANSACTION_METHOD
+        module = cls.__module__
+        if (module == "psycopg" or module.startswith("psycopg.")) and hasattr(cls, "pgconn"):
+            kind |= _PGCONN
+        _kinds[cls] = kind
+    return kind
+
+
 def driver_autocommit(dbapi_connection: Any) -> bool:
     """Whether the driver runs each statement in its own transaction right now."""
     if dbapi_connection is None:
         return False
-    if _is_sqlite3(dbapi_connection):
+    kind = _kinds.get(type(dbapi_connection))
+    if kind is None:
+        kind = _kind(dbapi_connection)
+    if not kind & (_SQLITE3 | _AUTOCOMMIT_METHOD):
+        return bool(getattr(dbapi_connection, "autocommit", False))
+    if kind & _SQLITE3:
         # Legacy transaction control (every Python version's default): None means
         # the module never sends BEGIN. (Python 3.12's `autocommit` attribute is -1 then,
         # which is truthy, so it must not be read as a bool.)
         return dbapi_connection.isolation_level is None
-    get_autocommit = getattr(dbapi_connection, "get_autocommit", None)
-    if callable(get_autocommit):  # PyMySQL, mysqlclient: autocommit is a method there
-        return bool(get_autocommit())
+    if kind & _AUTOCOMMIT_METHOD:  # PyMySQL, mysqlclient: autocommit is a method there
+        return bool(dbapi_connection.get_autocommit())
     return bool(getattr(dbapi_connection, "autocommit", False))
 
 
 def set_driver_autocommit(dbapi_connection: Any, value: bool) -> object:
     """Switch the driver's autocommit mode; return what ``restore_driver_autocommit`` needs
     to put back exactly the mode the application had configured."""
-    if _is_sqlite3(dbapi_connection):
+    kind = _kind(dbapi_connection)
+    if kind & _SQLITE3:
         previous = dbapi_connection.isolation_level  # "", "DEFERRED", "IMMEDIATE", ...
         dbapi_connection.isolation_level = None if value else (previous or "")
         return previous
     previous_mode = driver_autocommit(dbapi_connection)
-    if callable(getattr(dbapi_connection, "get_autocommit", None)):
+    if kind & _AUTOCOMMIT_METHOD:
         dbapi_connection.autocommit(value)
     else:
         dbapi_connection.autocommit = value
@@ -169,9 +204,10 @@ def set_driver_autocommit(dbapi_connection: Any, value: bool) -> object:
 
 def restore_driver_autocommit(dbapi_connection: Any, previous: object) -> None:
     """Undo ``set_driver_autocommit`` with the value it returned."""
-    if _is_sqlite3(dbapi_connection):
+    kind = _kind(dbapi_connection)
+    if kind & _SQLITE3:
         dbapi_connection.isolation_level = previous
-    elif callable(getattr(dbapi_connection, "get_autocommit", None)):
+    elif kind & _AUTOCOMMIT_METHOD:
         dbapi_connection.autocommit(bool(previous))
     else:
         dbapi_connection.autocommit = bool(previous)
@@ -189,11 +225,16 @@ def driver_in_transaction(driver_connection: Any) -> bool | None:
 
 
 def _driver_transaction_status(driver_connection: Any) -> bool | None:
-    if _is_sqlite3(driver_connection):
+    kind = _kinds.get(type(driver_connection))
+    if kind is None:
+        kind = _kind(driver_connection)
+    if kind & _PGCONN:
+        status = driver_connection.pgconn.transaction_status
+        return None if status == PQTRANS_UNKNOWN else status != PQTRANS_IDLE
+    if kind & _SQLITE3:
         return bool(driver_connection.in_transaction)
-    is_in_transaction = getattr(driver_connection, "is_in_transaction", None)
-    if callable(is_in_transaction):  # asyncpg
-        return bool(is_in_transaction())
+    if kind & _IN_TRANSACTION_METHOD:  # asyncpg
+        return bool(driver_connection.is_in_transaction())
     info = getattr(driver_connection, "info", None)
     status = getattr(info, "transaction_status", None)  # psycopg 3, psycopg2 >= 2.8
     if status is not None:
@@ -206,7 +247,7 @@ def _driver_transaction_status(driver_connection: Any) -> bool | None:
 
 
 def _is_sqlite3(dbapi_connection: Any) -> bool:
-    return type(dbapi_connection).__module__ in ("sqlite3", "_sqlite3")
+    return bool(_kind(dbapi_connection) & _SQLITE3)
 
 
 def detach_inherited_connection(driver_connection: Any) -> None:
