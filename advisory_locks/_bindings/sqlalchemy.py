@@ -689,7 +689,8 @@ class PooledBorrow(_SettledAtOnce):
             return
         self._out = False
         _engine_borrows(self.engine).discard(self)
-        _lock_checkouts(self.fairy.info).discard(self)
+        if self.shared:  # only a shared connection's borrow was added (see __init__)
+            _lock_checkouts(self.fairy.info).discard(self)
         _give_back(self.fairy, shared=self.shared)
 
     def done(self) -> None:
@@ -1314,7 +1315,11 @@ def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionP
         # the session settings are the parent's; send nothing.
         return
     try:
-        if isinstance(state, ConnectionState):
+        # A connection this library recorded nothing on (every lock's checkout, once its
+        # lock is released) needs only its autocommit mode back.
+        if isinstance(state, ConnectionState) and (
+            state.holdings or state.savepoints or state.pending_release
+        ):
             state.transaction_ended("rollback")
             # On a single-connection pool another user's checkout comes back while a
             # lock's own checkout still holds the connection: its locks stay.
