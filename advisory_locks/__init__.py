@@ -25,7 +25,7 @@ from advisory_locks._core.dispatch import (
     lease_lock,
     prune_leases,
 )
-from advisory_locks._core.lease import LeaseLock
+from advisory_locks._core.lease import AsyncLeaseLock, LeaseLock
 from advisory_locks.errors import (
     AdvisoryLockError,
     LeaseTableMissing,
@@ -47,6 +47,7 @@ __all__ = [
     "AdvisoryLockSet",
     "AsyncAdvisoryLock",
     "AsyncAdvisoryLockSet",
+    "AsyncLeaseLock",
     "LeaseLock",
     "LeaseTableMissing",
     "LockConnectionLost",

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any, Final
 
 from asyncpg.connection import Connection
-from asyncpg.pool import PoolConnectionProxy
+from asyncpg.pool import Pool, PoolConnectionProxy
 
 __all__ = [
     "CHECKED_VERSIONS",
     "missing_private_apis",
+    "new_pool_connection",
     "physical_connection",
     "pool_of",
     "release_count",
@@ -52,6 +53,16 @@ def pool_of(bind: Any) -> Any:
     return None
 
 
+async def new_pool_connection(pool: Any) -> Any:
+    """A new connection made the way ``pool`` makes its own (same connect arguments,
+    ``connect=`` callback, ``init``), not taken from it and never returned to it.
+
+    ``Pool._get_new_connection()``: asyncpg has no public way to read a pool's connect
+    arguments.
+    """
+    return await pool._get_new_connection()
+
+
 def missing_private_apis() -> list[str]:
     """The private names above that this asyncpg does not have (tested empty)."""
     missing = []
@@ -59,6 +70,8 @@ def missing_private_apis() -> list[str]:
         missing.append("PoolConnectionProxy._con")
     if "_holder" not in getattr(PoolConnectionProxy, "__slots__", ()):
         missing.append("PoolConnectionProxy._holder")
+    if not callable(getattr(Pool, "_get_new_connection", None)):
+        missing.append("Pool._get_new_connection")
     if "_pool_release_ctr" not in getattr(Connection, "__slots__", ()):
         missing.append("Connection._pool_release_ctr")
     return missing

@@ -23,8 +23,9 @@ from advisory_locks._bindings import _asyncpg_compat as compat
 from advisory_locks._bindings._raw import IDLE, IN_TRANSACTION, AsyncRawDriver, RawBinding
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
+from advisory_locks.errors import UnsupportedFeature
 
-__all__ = ["AsyncpgDriver", "AsyncpgExecutor"]
+__all__ = ["AsyncpgBinding", "AsyncpgDriver", "AsyncpgExecutor", "AsyncpgLeaseDriver"]
 
 # How long a discarded connection may take to close gracefully before its socket is cut.
 CLOSE_TIMEOUT_SECONDS: Final = 5.0
@@ -56,7 +57,12 @@ class AsyncpgExecutor:
             await self.connection.execute(statement.sql)
             return None
         assert kind == ROWS
-        return [tuple(row) for row in await self.connection.fetch(statement.sql)]
+        params = statement.params
+        if params:
+            rows = await self.connection.fetch(numbered(statement.sql, len(params)), *params)
+        else:
+            rows = await self.connection.fetch(statement.sql)
+        return [tuple(row) for row in rows]
 
 
 class AsyncpgDriver(AsyncRawDriver):
@@ -114,7 +120,66 @@ class AsyncpgDriver(AsyncRawDriver):
         await pool.release(bind)
 
 
+class AsyncpgLeaseDriver:
+    """asyncpg for lease locks (``raw_lease``): a pool lends a connection per statement;
+    a connection checked out of a pool stands for its pool."""
+
+    name = "asyncpg"
+    dialect = "postgresql"
+
+    def __init__(self, driver: AsyncpgDriver) -> None:
+        self._driver = driver
+
+    def pool_of(self, bind: Any) -> Any:
+        if isinstance(bind, Pool):
+            return bind
+        return compat.pool_of(bind)
+
+    async def checkout(self, pool: Any) -> Any:
+        return await pool.acquire()
+
+    async def checkin(self, pool: Any, connection: Any, *, broken: bool) -> None:
+        if broken:
+            await self._driver.adiscard(connection)
+        await pool.release(connection)
+
+    async def open_like(self, pool: Any) -> Any:
+        return await compat.new_pool_connection(pool)
+
+    async def close(self, connection: Any) -> None:
+        try:
+            await connection.close(timeout=CLOSE_TIMEOUT_SECONDS)
+        except Exception:
+            connection.terminate()
+
+    def executor(self, connection: Any) -> Any:
+        return AsyncpgExecutor(connection, {})
+
+    def fence_executor(self, bind: Any) -> Any:
+        if not isinstance(bind, (Connection, PoolConnectionProxy)):
+            raise TypeError(
+                "fence() runs inside your transaction: pass the asyncpg connection that "
+                f"makes the protected writes, not {type(bind).__name__}"
+            )
+        if not bind.is_in_transaction():
+            raise UnsupportedFeature(
+                "fence() needs a transaction: call it inside `async with conn.transaction():`, "
+                "where the fence lasts until the transaction ends"
+            )
+        return AsyncpgExecutor(bind, {})
+
+
+class AsyncpgBinding(RawBinding):
+    def lease_site(self, bind: Any, *, connect: Any = None) -> Any:
+        from advisory_locks._bindings.raw_lease import async_lease_site
+
+        return async_lease_site(_lease_driver, bind, connect)
+
+
+_driver = AsyncpgDriver()
+_lease_driver = AsyncpgLeaseDriver(_driver)
+
 register_binding(
     [Connection, PoolConnectionProxy, Pool],
-    RawBinding(AsyncpgDriver(), is_pool=lambda bind: isinstance(bind, Pool)),
+    AsyncpgBinding(_driver, is_pool=lambda bind: isinstance(bind, Pool)),
 )

@@ -5,18 +5,31 @@ Native asyncio: every statement is awaited on the driver (no greenlet, no SQLAlc
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from psycopg import AsyncConnection
+from psycopg.rows import tuple_row
 
 from advisory_locks._bindings import _psycopg_pool_compat
 from advisory_locks._bindings._psycopg_pool_compat import pool_of
-from advisory_locks._bindings._raw import AsyncRawDriver, RawBinding, release_at_checkin
+from advisory_locks._bindings._raw import (
+    IDLE,
+    AsyncRawDriver,
+    RawBinding,
+    release_at_checkin,
+)
 from advisory_locks._bindings.psycopg import OPEN_TRANSACTION
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, arun_steps
+from advisory_locks.errors import UnsupportedFeature
 
-__all__ = ["AsyncPsycopgDriver", "AsyncPsycopgExecutor"]
+__all__ = [
+    "AsyncPsycopgBinding",
+    "AsyncPsycopgDriver",
+    "AsyncPsycopgExecutor",
+    "AsyncPsycopgLeaseDriver",
+]
 
 
 class AsyncPsycopgExecutor:
@@ -37,10 +50,10 @@ class AsyncPsycopgExecutor:
 
     async def execute(self, statement: Statement) -> object:
         if self._busy:
-            return await self._run(self.connection.cursor(), statement)
+            return await self._run(self.connection.cursor(row_factory=tuple_row), statement)
         cursor = self._cursor
         if cursor is None or cursor.closed:
-            cursor = self._cursor = self.connection.cursor()
+            cursor = self._cursor = self.connection.cursor(row_factory=tuple_row)
         self._busy = True
         try:
             return await self._run(cursor, statement)
@@ -58,7 +71,7 @@ class AsyncPsycopgExecutor:
             await cursor.execute(statement.sql, prepare=False)
             return None
         assert kind == ROWS
-        await cursor.execute(statement.sql)
+        await cursor.execute(statement.sql, tuple(statement.params) if statement.params else None)
         return [tuple(row) for row in await cursor.fetchall()]
 
 
@@ -108,6 +121,77 @@ class AsyncPsycopgDriver(AsyncRawDriver):
             await reset(connection)
 
 
+class AsyncPsycopgLeaseDriver:
+    """psycopg's asyncio connections for lease locks (``raw_lease``): a pool lends a
+    connection per statement, in autocommit; a connection checked out of a pool stands
+    for its pool."""
+
+    name = "psycopg"
+    dialect = "postgresql"
+
+    def __init__(self) -> None:
+        # The autocommit mode a borrowed pool connection had, put back at check-in.
+        self._autocommit: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+    def pool_of(self, bind: Any) -> Any:
+        if not isinstance(bind, AsyncConnection):
+            return bind
+        return pool_of(bind)
+
+    async def checkout(self, pool: Any) -> Any:
+        connection = await pool.getconn()
+        try:
+            if not connection.autocommit:
+                await connection.set_autocommit(True)
+                self._autocommit[connection] = False
+        except BaseException:
+            await pool.putconn(connection)
+            raise
+        return connection
+
+    async def checkin(self, pool: Any, connection: Any, *, broken: bool) -> None:
+        try:
+            if broken:
+                await connection.close()
+            elif self._autocommit.pop(connection, True) is False:
+                await connection.set_autocommit(False)
+        finally:
+            await pool.putconn(connection)  # a closed one is replaced by the pool
+
+    async def open_like(self, pool: Any) -> Any:
+        kwargs = {**pool.kwargs, "autocommit": True}
+        return await pool.connection_class.connect(pool.conninfo, **kwargs)
+
+    async def close(self, connection: Any) -> None:
+        await connection.close()
+
+    def executor(self, connection: Any) -> Any:
+        return AsyncPsycopgExecutor(connection, {})
+
+    def fence_executor(self, bind: Any) -> Any:
+        if not isinstance(bind, AsyncConnection):
+            raise TypeError(
+                "fence() runs inside your transaction: pass the psycopg AsyncConnection "
+                f"that makes the protected writes, not {type(bind).__name__}"
+            )
+        if bind.autocommit and bind.pgconn.transaction_status == IDLE:
+            raise UnsupportedFeature(
+                "fence() needs a transaction, but this connection is in autocommit mode: "
+                "call it inside `async with conn.transaction():`"
+            )
+        return AsyncPsycopgExecutor(bind, {})
+
+
+class AsyncPsycopgBinding(RawBinding):
+    def lease_site(self, bind: Any, *, connect: Any = None) -> Any:
+        from advisory_locks._bindings.raw_lease import async_lease_site
+
+        return async_lease_site(_lease_driver, bind, connect)
+
+
+_lease_driver = AsyncPsycopgLeaseDriver()
+
+
 def _register() -> None:
     types: list[type] = [AsyncConnection]
     try:
@@ -119,7 +203,9 @@ def _register() -> None:
         types.append(AsyncConnectionPool)
     register_binding(
         types,
-        RawBinding(AsyncPsycopgDriver(), is_pool=lambda bind: isinstance(bind, pool_types)),
+        AsyncPsycopgBinding(
+            AsyncPsycopgDriver(), is_pool=lambda bind: isinstance(bind, pool_types)
+        ),
     )
 
 

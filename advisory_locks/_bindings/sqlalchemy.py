@@ -186,11 +186,11 @@ class SQLAlchemyBinding:
         names: list[LockName] = _site_for(sync_bind(bind), transaction=False).held_names()
         return names
 
-    def lease_site(self, bind: Any) -> Any:
-        if sync_bind(bind) is not bind:
-            raise UnsupportedFeature(
-                "lease locks on asyncio binds are not available yet: pass the sync "
-                "Engine (async_engine.sync_engine) from a thread, or use an advisory lock"
+    def lease_site(self, bind: Any, *, connect: object = None) -> Any:
+        if connect is not None:
+            raise TypeError(
+                "connect= is for raw driver connections; a SQLAlchemy bind's leases open "
+                "their connections from its Engine's pool"
             )
         from advisory_locks._bindings.sqlalchemy_lease import lease_site
 

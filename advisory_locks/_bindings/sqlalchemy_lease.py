@@ -10,15 +10,19 @@ connect events), so it never waits for a connection the application holds.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, Final
 
 from sqlalchemy import BigInteger, Column, DateTime, MetaData, String, Table
 from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.util import greenlet_spawn
 
 from advisory_locks._bindings.sqlalchemy import POOLER_OPTION, executor_for, sync_bind
 from advisory_locks._core.executors import (
@@ -28,11 +32,23 @@ from advisory_locks._core.executors import (
     restore_driver_autocommit,
     set_driver_autocommit,
 )
-from advisory_locks._core.listener import LISTENING_DRIVERS, ReleaseListener
+from advisory_locks._core.listener import (
+    LISTENING_DRIVERS,
+    AsyncReleaseListener,
+    ReleaseListener,
+)
+from advisory_locks._core.steps import Steps, run_steps
 from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
 from advisory_locks.errors import UnsupportedFeature
 
-__all__ = ["CREATE_HINT", "SQLAlchemyLeaseSite", "create_lease_table", "lease_site", "lease_table"]
+__all__ = [
+    "CREATE_HINT",
+    "SQLAlchemyAsyncLeaseSite",
+    "SQLAlchemyLeaseSite",
+    "create_lease_table",
+    "lease_site",
+    "lease_table",
+]
 
 CREATE_HINT: Final = (
     f"the table {LEASE_TABLE} does not exist in this database. Create it once with "
@@ -170,9 +186,19 @@ class SQLAlchemyLeaseSite:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.backend: LeaseBackend = lease_backend_for_dialect(engine.dialect.name)
-        # A copy of the Engine's pool for the renewer's and the listener's connections.
-        self._renewal_pool: Any = None
+        # Copies of the Engine's pool for the renewer's and for the listener's connection:
+        # one copy each, so that a listener idling on the only connection a copy of a
+        # pool of one may open never starves the renewer.
+        self._own_pools: dict[str, Any] = {}
         self._listener: ReleaseListener | None = None
+        self._async_site: SQLAlchemyAsyncLeaseSite | None = None
+
+    def asynchronous_site(self) -> SQLAlchemyAsyncLeaseSite:
+        """The async twin of this site, for an AsyncEngine's leases."""
+        with _sites_lock:
+            if self._async_site is None:
+                self._async_site = SQLAlchemyAsyncLeaseSite(self)
+            return self._async_site
 
     def borrow(self, *, transaction: bool) -> LeaseBorrow:
         return LeaseBorrow(self.engine)
@@ -195,14 +221,14 @@ class SQLAlchemyLeaseSite:
             return self._listener
 
     def _listen_connection(self) -> _ListenConnection:
-        fairy = self._renewal_fairy()
+        fairy = self._renewal_fairy("listen")
         return _ListenConnection(fairy)
 
-    def _renewal_fairy(self) -> PoolProxiedConnection:
+    def _renewal_fairy(self, purpose: str = "renew") -> PoolProxiedConnection:
         with _sites_lock:
-            if self._renewal_pool is None:
-                self._renewal_pool = self.engine.pool.recreate()
-            pool = self._renewal_pool
+            pool = self._own_pools.get(purpose)
+            if pool is None:
+                pool = self._own_pools[purpose] = self.engine.pool.recreate()
         fairy: PoolProxiedConnection = pool.connect()
         try:
             dbapi = fairy.dbapi_connection
@@ -245,15 +271,101 @@ class SQLAlchemyLeaseSite:
         return executor_for(fairy, fairy.info)
 
 
+class _AsyncPooledConnection:
+    """A connection of the renewal pool for the async renewer or listener: discarded at
+    close, never pooled (a listener's is still LISTENing)."""
+
+    __slots__ = ("driver", "executor", "fairy")
+
+    def __init__(self, fairy: PoolProxiedConnection) -> None:
+        self.fairy = fairy
+        self.driver = fairy.driver_connection
+        self.executor = executor_for(fairy, fairy.info)
+
+    async def aclose(self) -> None:
+        await greenlet_spawn(_discard, self.fairy)
+
+
+def _discard(fairy: PoolProxiedConnection) -> None:
+    fairy.invalidate()
+    fairy.close()
+
+
+# Drivers of asyncio Engines whose connections receive notifications in the loop.
+ASYNC_LISTENING_DRIVERS: Final = frozenset({"asyncpg", "psycopg", "psycopg_async"})
+
+
+class SQLAlchemyAsyncLeaseSite:
+    """The leases of one AsyncEngine's database, for ``AsyncLeaseLock``.
+
+    The rules run as blocking steps inside SQLAlchemy's greenlet bridge, on the same
+    pooled connections as the sync site of its ``sync_engine``; the renewer is a task of
+    the running loop and opens its connection from the same copy of the pool.
+    """
+
+    asynchronous = True
+    create_hint = CREATE_HINT
+    binding = "sqlalchemy"
+
+    def __init__(self, site: SQLAlchemyLeaseSite) -> None:
+        self.sync = site
+        self.backend = site.backend
+        self._listeners: weakref.WeakKeyDictionary[Any, AsyncReleaseListener] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    async def run(self, steps: Steps[Any]) -> Any:
+        return await greenlet_spawn(run_steps, steps, self.sync)
+
+    async def renewal_connection(self) -> _AsyncPooledConnection:
+        fairy = await greenlet_spawn(self.sync._renewal_fairy)
+        return _AsyncPooledConnection(fairy)
+
+    async def _listen_connection(self) -> _AsyncPooledConnection:
+        fairy = await greenlet_spawn(self.sync._renewal_fairy, "listen")
+        return _AsyncPooledConnection(fairy)
+
+    def release_listener(self) -> AsyncReleaseListener | None:
+        """This loop's listener, or None where LISTEN cannot work (as for the sync site)."""
+        engine = self.sync.engine
+        if self.backend.listen_sql is None or engine.dialect.driver not in ASYNC_LISTENING_DRIVERS:
+            return None
+        if engine.get_execution_options().get(POOLER_OPTION) == "transaction":
+            return None
+        loop = asyncio.get_running_loop()
+        listener = self._listeners.get(loop)
+        if listener is None:
+            listener = self._listeners[loop] = AsyncReleaseListener(
+                self._listen_connection, LEASE_TABLE
+            )
+        return listener
+
+    async def fence(self, bind: object, fence_steps: Callable[[Any], Steps[None]]) -> None:
+        if not isinstance(bind, (AsyncSession, AsyncConnection)):
+            raise TypeError(
+                "fence() runs inside your transaction: pass the AsyncSession or "
+                f"AsyncConnection that makes the protected writes, not {type(bind).__name__}"
+            )
+        sync = sync_bind(bind)
+
+        def fence() -> None:
+            run_steps(fence_steps(self.sync.fence_executor(sync)), self.sync)
+
+        await greenlet_spawn(fence)
+
+
 _sites: weakref.WeakKeyDictionary[Engine, SQLAlchemyLeaseSite] = weakref.WeakKeyDictionary()
 _sites_lock = threading.RLock()
 
 
-def lease_site(bind: Any) -> SQLAlchemyLeaseSite:
-    """The lease site of ``bind``'s Engine (one per Engine, so its leases renew together)."""
+def lease_site(bind: Any) -> SQLAlchemyLeaseSite | SQLAlchemyAsyncLeaseSite:
+    """The lease site of ``bind``'s Engine (one per Engine, so its leases renew together);
+    its async twin for an asyncio bind."""
     engine = _engine_of(bind)
     with _sites_lock:
         site = _sites.get(engine)
         if site is None:
             site = _sites[engine] = SQLAlchemyLeaseSite(engine)
-        return site
+    if sync_bind(bind) is not bind:
+        return site.asynchronous_site()
+    return site

@@ -12,11 +12,17 @@ from __future__ import annotations
 import datetime
 import importlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol, overload
 
 from advisory_locks._core.contract import LockOptions, Timeout
-from advisory_locks._core.lease import DEFAULT_TTL, LeaseLock, LeaseOptions, lease_name
+from advisory_locks._core.lease import (
+    DEFAULT_TTL,
+    AsyncLeaseLock,
+    LeaseLock,
+    LeaseOptions,
+    lease_name,
+)
 from advisory_locks._core.prune import prune, prune_age
 from advisory_locks.errors import UnsupportedFeature
 from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
@@ -301,6 +307,33 @@ def current_advisory_locks(bind: object) -> list[LockName]:
     return binding_for(bind).held_names(bind)
 
 
+@overload
+def lease_lock(
+    bind: Session | Connection | Engine,
+    name: str,
+    *,
+    ttl: float = DEFAULT_TTL,
+    renew_every: float | None = None,
+    timeout: Timeout = None,
+    key_prefix: str | int | None = None,
+) -> LeaseLock: ...
+
+
+@overload
+def lease_lock(
+    bind: AsyncSession | AsyncConnection | AsyncEngine | AsyncRawBind,
+    name: str,
+    *,
+    ttl: float = DEFAULT_TTL,
+    renew_every: float | None = None,
+    timeout: Timeout = None,
+    key_prefix: str | int | None = None,
+    cancel_on_loss: bool = False,
+    connect: Callable[[], Awaitable[Any]] | None = None,
+) -> AsyncLeaseLock: ...
+
+
+@overload
 def lease_lock(
     bind: object,
     name: str,
@@ -309,18 +342,37 @@ def lease_lock(
     renew_every: float | None = None,
     timeout: Timeout = None,
     key_prefix: str | int | None = None,
-) -> LeaseLock:
+    cancel_on_loss: bool = False,
+    connect: Callable[[], Any] | None = None,
+) -> LeaseLock | AsyncLeaseLock: ...
+
+
+def lease_lock(
+    bind: object,
+    name: str,
+    *,
+    ttl: float = DEFAULT_TTL,
+    renew_every: float | None = None,
+    timeout: Timeout = None,
+    key_prefix: str | int | None = None,
+    cancel_on_loss: bool = False,
+    connect: Callable[[], Any] | None = None,
+) -> LeaseLock | AsyncLeaseLock:
     """A lease lock: a row of ``advisory_locks_lease`` held until it expires unless
     renewed, with a fencing token. Unlike an advisory lock it belongs to no connection,
     so it can be held through a transaction pooler and across a long job without pinning
     a connection. Nothing is sent to the database until it is acquired.
 
-    Use it as ``with lease_lock(...) as lease:`` or call ``acquire()`` / ``release()``.
-    While held, the process's renewer thread extends it every ``renew_every`` seconds.
+    Use it as ``with lease_lock(...) as lease:`` (``async with`` for an async bind) or
+    call ``acquire()`` / ``release()``. While held, the process's renewer (a thread; for
+    async binds a task of the running event loop) extends it every ``renew_every``
+    seconds, on a connection of its own.
 
     Args:
-        bind: a SQLAlchemy ``Engine``, ``Session`` or ``Connection``; its Engine's pool
-            lends each lease statement a connection and takes it back at once.
+        bind: a SQLAlchemy ``Engine``, ``Session`` or ``Connection``, or their asyncio
+            versions (``AsyncEngine``, ``AsyncSession``, ``AsyncConnection``); an asyncpg
+            ``Pool`` or ``Connection``. A pool (an Engine's included) lends each lease
+            statement a connection and takes it back at once.
         name: a non-empty ``str`` (with its prefix, at most 255 characters); the same
             name is the same lease for every process and ORM using the database.
         ttl: seconds the lease lasts after each acquire or renewal, by the database's
@@ -331,27 +383,51 @@ def lease_lock(
         timeout: ``None`` waits until the lease is free, ``0`` tries once, ``t > 0`` waits
             at most ``t`` seconds.
         key_prefix: a namespace put before ``name``; default ``$ADVISORY_LOCKS_PREFIX``.
+        cancel_on_loss: async binds only: cancel the task that acquired the lease as soon
+            as its loss is known; its ``async with`` block then raises ``LockStolen`` /
+            ``LockLost`` instead of ``CancelledError``. (A thread cannot be cancelled:
+            blocking code checks ``lost`` or calls ``ensure_held()``.)
+        connect: for a single raw driver connection (an asyncpg ``Connection``): a
+            callable returning (an awaitable of) a new connection to the same database.
+            The lease's statements and its renewer run on connections it opens, never
+            on yours, which your code may be using at that very moment. Required there;
+            a pool bind needs none.
 
     Returns:
-        A ``LeaseLock``.
+        A ``LeaseLock``, or an ``AsyncLeaseLock`` for an async bind.
 
     Raises:
         TypeError: a name or option of the wrong type, before any SQL.
         ValueError: an empty or too long name, ``ttl <= 0``, NaN, or ``renew_every`` not
             below ``ttl`` minus the margin, before any SQL.
-        UnsupportedFeature: a bind that cannot hold leases (an asyncio bind, for now).
+        UnsupportedFeature: a bind that cannot hold leases, ``cancel_on_loss`` with a
+            blocking bind, a single raw connection without ``connect``; before any SQL.
         LeaseTableMissing: (at acquire) the database has no ``advisory_locks_lease``.
     """
     stored_name = lease_name(name, key_prefix)
     options = LeaseOptions(ttl=ttl, renew_every=renew_every, timeout=timeout)
+    if not isinstance(cancel_on_loss, bool):
+        raise TypeError(
+            f"cancel_on_loss must be True or False, not {type(cancel_on_loss).__name__}"
+        )
+    if connect is not None and not callable(connect):
+        raise TypeError(f"connect must be a callable that opens a connection, not {connect!r}")
     binding = binding_for(bind)
     make_site = getattr(binding, "lease_site", None)
     if make_site is None:
         raise UnsupportedFeature(
             f"lease locks are not available for {type(bind).__name__} binds yet; pass a "
-            "SQLAlchemy Engine, Session or Connection"
+            "SQLAlchemy Engine, Session or Connection (or an async one), or an asyncpg Pool"
         )
-    return LeaseLock(make_site(bind), name, stored_name, options)
+    site = make_site(bind, connect=connect)
+    if getattr(site, "asynchronous", False):
+        return AsyncLeaseLock(site, name, stored_name, options, cancel_on_loss=cancel_on_loss)
+    if cancel_on_loss:
+        raise UnsupportedFeature(
+            "cancel_on_loss=True needs an async bind: a thread cannot be cancelled; "
+            "blocking code watches lease.lost or calls lease.ensure_held()"
+        )
+    return LeaseLock(site, name, stored_name, options)
 
 
 def prune_leases(bind: object, *, older_than: float | datetime.timedelta) -> int:
@@ -384,4 +460,10 @@ def prune_leases(bind: object, *, older_than: float | datetime.timedelta) -> int
             f"lease locks are not available for {type(bind).__name__} binds yet; pass a "
             "SQLAlchemy Engine, Session or Connection"
         )
-    return prune(make_site(bind), seconds)
+    site = make_site(bind)
+    if getattr(site, "asynchronous", False):
+        raise UnsupportedFeature(
+            "prune_leases() is blocking: pass the sync Engine (async_engine.sync_engine) "
+            "or a blocking pool"
+        )
+    return prune(site, seconds)

@@ -14,6 +14,8 @@ and is declared lost, even if the database cannot be reached to say so.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -23,11 +25,18 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from advisory_locks._core import events
-from advisory_locks._core.contract import LockContract, Timeout, validate_timeout
+from advisory_locks._core.contract import (
+    AsyncLockContract,
+    LockContract,
+    Timeout,
+    validate_timeout,
+)
 from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
 from advisory_locks.errors import (
     LeaseTableMissing,
@@ -44,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TTL",
+    "AsyncLeaseLock",
     "LeaseHolding",
     "LeaseLock",
     "LeaseOptions",
@@ -198,7 +208,8 @@ class LeaseHolding:
     renew_every: float
     # time.monotonic() when the last successful acquire/renewal statement was sent.
     last_sent: float
-    lost: threading.Event
+    # A threading.Event (sync locks) or an asyncio.Event (async locks, set on their loop).
+    lost: Any
     next_due: float = 0.0
     loss: LockLost | None = None
     # A forked child's copy of its parent's holding: never renewed or released here.
@@ -207,6 +218,10 @@ class LeaseHolding:
     # Set when the grant was reported to event listeners: only then is the rest reported.
     granted_at: float | None = None
     source: events.EventSource | None = None
+    # Called once with the loss, after ``lost`` is set (cancel_on_loss of async locks).
+    on_lost: Callable[[LockLost], None] | None = None
+    # The renewer renewing it (an async lock's is its event loop's).
+    renewer: Any = None
 
     def __post_init__(self) -> None:
         self.next_due = self.last_sent + self.renew_every
@@ -231,6 +246,8 @@ class LeaseHolding:
                 return False
             self.loss = loss
         self.lost.set()
+        if self.on_lost is not None:
+            self.on_lost(loss)
         if isinstance(loss, LockStolen):
             self.report("released", reason="stolen")
             self.report("stolen", error=loss)
@@ -305,33 +322,32 @@ def wait_pause(expires_in: float | None, left: float | None) -> float:
     return pause if left is None else max(0.0, min(pause, left))
 
 
-class LeaseLock(LockContract):
-    """A lease lock, made by [`lease_lock`][advisory_locks.lease_lock]: a row held until
-    it expires unless renewed, with a fencing token.
+class _LeaseRules:
+    """The rules of a lease lock, written once as steps: the blocking ``LeaseLock`` runs
+    them with ``run_steps``, the asyncio ``AsyncLeaseLock`` awaits them through its site.
+    Only the waiting between attempts and the renewer differ (a thread, an asyncio task)."""
 
-    A context manager (``with`` acquires, raising ``LockNotAcquired`` / ``LockTimeout``
-    when busy, releases at the end, and raises ``LockStolen`` / ``LockLost`` there if the
-    lease was lost inside the block) and an explicit ``acquire()`` / ``release()`` pair.
-    One object is one holder: it is not re-entrant, and two objects for one name exclude
-    each other, also in one thread. Do not construct it directly.
+    __slots__ = (
+        "_holding",
+        "_last_token",
+        "_site",
+        "_system",
+        "lease_name",
+        "lost",
+        "options",
+        "user_name",
+    )
 
-    ``lost`` is a ``threading.Event`` set as soon as this process learns that the lease
-    it holds was lost (a renewal found it taken, or its renewals stopped for too long);
-    it is cleared by the next successful ``acquire()``.
-    """
-
-    __slots__ = ("_holding", "_last_token", "_site", "lease_name", "lost", "options", "user_name")
-
-    def __init__(self, site: Any, name: str, stored_name: str, options: LeaseOptions) -> None:
-        self._site = site
-        self.user_name = name
-        self.lease_name = stored_name
-        self.options = options
-        self.lost = threading.Event()
-        self._holding: LeaseHolding | None = None
-        self._last_token: int | None = None
-
-    # -- the contract ---------------------------------------------------------------------
+    _site: Any
+    # The database as events name it, once a connection told (MariaDB is not "mysql").
+    _system: str | None
+    user_name: str
+    lease_name: str
+    options: LeaseOptions
+    # A threading.Event (LeaseLock) or an asyncio.Event (AsyncLeaseLock).
+    lost: Any
+    _holding: LeaseHolding | None
+    _last_token: int | None
 
     @property
     def name(self) -> str:
@@ -359,62 +375,35 @@ class LeaseLock(LockContract):
             and not holding.overdue()
         )
 
-    def acquire(self) -> bool:
-        """Take the lease; False when it stayed held by someone else for the whole timeout.
-
-        ``timeout=None`` waits as long as it takes, ``0`` tries once, ``t`` waits at most
-        ``t`` seconds. A waiter sleeps until the expiry it read (at most 2 s at a time); on
-        PostgreSQL a release wakes it at once (LISTEN/NOTIFY), unless the Engine is
-        declared behind a transaction pooler.
-        """
-        self._claim()
-        # No clock is read for events unless someone listens.
-        started = time.monotonic() if events.listeners else None
-        try:
-            granted = self._acquire(started)
-        except BaseException as error:
-            self._report_refusal(started, error)
-            raise
-        if not granted:
-            self._report_refusal(started, None)
-        return granted
-
-    def _acquire(self, started: float | None) -> bool:
+    def _not_acquired(self) -> LockNotAcquired:
         timeout = self.options.timeout
         if timeout == 0:
-            return self._try(0.0, started) is None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        # Subscribed before the first attempt, so a release right after it still wakes us.
-        listener = self._site.release_listener()
-        released = None if listener is None else listener.subscribe(self.lease_name)
-        try:
-            while True:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if released is not None:
-                    released.clear()
-                attempt = self._try(left, started)
-                if attempt is None:
-                    return True
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                pause = wait_pause(attempt.expires_in, left)
-                if released is None:
-                    time.sleep(pause)
-                else:
-                    released.wait(pause)
-        finally:
-            if released is not None:
-                assert listener is not None
-                listener.unsubscribe(self.lease_name, released)
+            return LockNotAcquired(f"lease {self.name!r} is held elsewhere", name=self.name)
+        return LockTimeout(
+            f"lease {self.name!r} was not granted within {timeout} s", name=self.name
+        )
 
-    def _try(self, lock_wait: Timeout, started: float | None) -> Attempt | None:
-        """One attempt: None when it took the lease, else what it learnt."""
-        attempt, holder, sent = run_steps(self._attempt_steps(lock_wait), self._site)
-        if attempt.token is None:
-            return attempt
-        self._hold(holder, attempt.token, sent, started)
-        return None
+    def _renewer(self) -> Any:
+        """The renewer this lock's holdings go to."""
+        raise NotImplementedError
+
+    # -- waiting (the decisions; the sleeping is the lock's) -------------------------------
+
+    def _deadline(self) -> float | None:
+        timeout = self.options.timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    @staticmethod
+    def _left(deadline: float | None) -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    @staticmethod
+    def _pause(attempt: Attempt, deadline: float | None) -> float | None:
+        """How long to sleep before the next attempt; None: the timeout ran out."""
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return None
+        return wait_pause(attempt.expires_in, left)
 
     def _report_refusal(self, started: float | None, error: BaseException | None) -> None:
         if started is None or not events.listeners:
@@ -423,7 +412,7 @@ class LeaseLock(LockContract):
             reason = "busy" if self.options.timeout == 0 else "timeout"
         else:
             reason = "timeout" if isinstance(error, LockTimeout) else "error"
-        source = _source(self._site)
+        source = _source(self._site, self._system)
         events.emit(
             events.LockEvent(
                 "not_acquired",
@@ -440,87 +429,7 @@ class LeaseLock(LockContract):
             )
         )
 
-    def release(self) -> None:
-        """Give the lease back; ``LockStolen`` / ``LockLost`` if it was lost meanwhile."""
-        holding = self._take_holding()
-        if holding.inherited:
-            return  # a forked child never releases its parent's lease
-        if holding.loss is None and not holding.overdue():
-            released = run_steps(self._release_steps(holding), self._site)
-            if released:
-                holding.report("released", reason="unlock")
-                return
-            raise self._learn_loss(holding, "it was no longer held at release")
-        row = self._row_or_none(holding)
-        if still_ours(holding, row):
-            # Declared lost locally (paused past its deadline) but nobody took it: free
-            # it now rather than make the next holder wait for the expiry.
-            run_steps(self._release_steps(holding), self._site)
-        raise self._learn_loss(
-            holding, "its renewals stopped for longer than its ttl", row=row, asked=True
-        )
-
-    def ensure_held(self) -> None:
-        """Raise ``LockStolen`` / ``LockLost`` unless the lease is still ours.
-
-        One round trip: reads the lease row (never waits for a fenced row). If the
-        database cannot be reached, the local deadline decides: the database cannot
-        expire the lease before it (its expiry is counted from a later instant).
-        """
-        holding = self._current_holding()
-        backend = self._site.backend
-        for attempt in range(2):
-            try:
-                rows = run_steps(self._rows_steps(holding), self._site)
-            except Exception as error:
-                if not backend.is_connection_failure(error):
-                    raise
-                # The first try may meet a pooled connection that died meanwhile.
-                logger.debug("ensure_held() could not read lease %r", self.name, exc_info=True)
-                if attempt:
-                    self._current_holding()  # the local deadline, again
-                    return
-                continue
-            row = rows[0] if rows else None
-            if not still_ours(holding, row):
-                raise self._learn_loss(holding, "ensure_held() found it gone", row=row, asked=True)
-            return
-
-    def fence(self, bind: object) -> None:
-        """Inside ``bind``'s current transaction, prove the lease is still ours and keep any
-        other holder from taking it over until that transaction ends.
-
-        Call it before the writes the lease protects, in the same transaction: a write
-        made after ``fence()`` commits only if this holder still held the lease. Raises
-        ``LockStolen`` / ``LockLost`` (and the transaction should be rolled back) if not.
-
-        Args:
-            bind: a SQLAlchemy ``Session`` or ``Connection`` on the lease's database; a
-                transaction is begun on it if none is open (as any statement would).
-        """
-        holding = self._current_holding()
-        executor = self._site.fence_executor(bind)
-        backend = self._site.backend
-        try:
-            proven = run_steps(
-                on(executor, backend.fence(holding.lease_name, holding.holder, holding.token))
-            )
-        except Exception as error:
-            if backend.is_missing_table(error):
-                raise LeaseTableMissing(self._site.create_hint) from error
-            raise
-        if not proven:
-            raise self._learn_loss(holding, "fence() refused it")
-
-    def _not_acquired(self) -> LockNotAcquired:
-        timeout = self.options.timeout
-        if timeout == 0:
-            return LockNotAcquired(f"lease {self.name!r} is held elsewhere", name=self.name)
-        return LockTimeout(
-            f"lease {self.name!r} was not granted within {timeout} s", name=self.name
-        )
-
-    # -- the rules ------------------------------------------------------------------------
+    # -- the rules, as steps --------------------------------------------------------------
 
     def _claim(self) -> None:
         holding = self._holding
@@ -532,12 +441,22 @@ class LeaseLock(LockContract):
         if holding is not None:
             self._forget(holding)
 
+    def _try_steps(self, lock_wait: Timeout, started: float | None) -> Steps[Attempt | None]:
+        """One attempt: None when it took the lease (now held), else what it learnt."""
+        attempt, holder, sent = yield from self._attempt_steps(lock_wait)
+        if attempt.token is None:
+            return attempt
+        self._hold(holder, attempt.token, sent, started)
+        return None
+
     def _attempt_steps(self, lock_wait: Timeout) -> Steps[tuple[Attempt, str, float]]:
         site = self._site
         backend = site.backend
         borrowed = yield Borrow(False)
         executor = borrowed.executor
         try:
+            if self._system is None:
+                self._system = backend.system_name(executor.state)
             yield from on(executor, backend.check_database(executor.state))
             holder = new_holder()
             sent = time.monotonic()
@@ -560,7 +479,66 @@ class LeaseLock(LockContract):
         yield Settle(borrowed)
         return attempt, holder, sent
 
-    def _release_steps(self, holding: LeaseHolding) -> Steps[bool]:
+    def _release_steps(self) -> Steps[None]:
+        holding = self._take_holding()
+        if holding.inherited:
+            return  # a forked child never releases its parent's lease
+        if holding.loss is None and not holding.overdue():
+            released = yield from self._unhold_steps(holding)
+            if released:
+                holding.report("released", reason="unlock")
+                return
+            raise (yield from self._learn_loss_steps(holding, "it was no longer held at release"))
+        row = yield from self._row_or_none_steps(holding)
+        if still_ours(holding, row):
+            # Declared lost locally (paused past its deadline) but nobody took it: free
+            # it now rather than make the next holder wait for the expiry.
+            yield from self._unhold_steps(holding)
+        raise (
+            yield from self._learn_loss_steps(
+                holding, "its renewals stopped for longer than its ttl", row=row, asked=True
+            )
+        )
+
+    def _ensure_held_steps(self) -> Steps[None]:
+        holding = yield from self._current_holding_steps()
+        backend = self._site.backend
+        for attempt in range(2):
+            try:
+                rows = yield from self._rows_steps(holding)
+            except Exception as error:
+                if not backend.is_connection_failure(error):
+                    raise
+                # The first try may meet a pooled connection that died meanwhile.
+                logger.debug("ensure_held() could not read lease %r", self.name, exc_info=True)
+                if attempt:
+                    yield from self._current_holding_steps()  # the local deadline, again
+                    return
+                continue
+            row = rows[0] if rows else None
+            if not still_ours(holding, row):
+                raise (
+                    yield from self._learn_loss_steps(
+                        holding, "ensure_held() found it gone", row=row, asked=True
+                    )
+                )
+            return
+
+    def _fence_steps(self, executor: Any) -> Steps[None]:
+        holding = yield from self._current_holding_steps()
+        backend = self._site.backend
+        try:
+            proven = yield from on(
+                executor, backend.fence(holding.lease_name, holding.holder, holding.token)
+            )
+        except Exception as error:
+            if backend.is_missing_table(error):
+                raise LeaseTableMissing(self._site.create_hint) from error
+            raise
+        if not proven:
+            raise (yield from self._learn_loss_steps(holding, "fence() refused it"))
+
+    def _unhold_steps(self, holding: LeaseHolding) -> Steps[bool]:
         released: bool = yield from self._borrowed_steps(
             lambda backend: backend.release(holding.lease_name, holding.holder, holding.token)
         )
@@ -590,11 +568,13 @@ class LeaseLock(LockContract):
         yield Settle(borrowed)
         return result
 
-    def _hold(self, holder: str, token: int, sent: float, started: float | None) -> None:
-        from advisory_locks._core.renewer import renewer
-
-        options = self.options
+    def _new_flag(self) -> None:
+        """Clear ``lost`` for a new holding."""
         self.lost.clear()
+
+    def _hold(self, holder: str, token: int, sent: float, started: float | None) -> None:
+        options = self.options
+        self._new_flag()
         holding = LeaseHolding(
             site=self._site,
             lease_name=self.lease_name,
@@ -610,18 +590,27 @@ class LeaseLock(LockContract):
         self._last_token = token
         if started is not None and events.listeners:
             holding.granted_at = time.monotonic()
-            holding.source = _source(self._site)
+            holding.source = _source(self._site, self._system)
             holding.report("acquired", waited=holding.granted_at - started)
-        renewer().hold(holding)
+        self._held(holding)
+        holding.renewer = self._renewer()
+        holding.renewer.hold(holding)
 
-    def _current_holding(self) -> LeaseHolding:
+    def _held(self, holding: LeaseHolding) -> None:
+        """A new holding, before the renewer sees it (the async lock hooks its loss)."""
+
+    def _current_holding_steps(self) -> Steps[LeaseHolding]:
         holding = self._holding
         if holding is None or holding.inherited:
             raise LockUsageError(f"lease {self.name!r} is not held by this object")
         if holding.loss is not None:
             raise holding.loss
         if holding.overdue():
-            raise self._learn_loss(holding, "its renewals stopped for longer than its ttl")
+            raise (
+                yield from self._learn_loss_steps(
+                    holding, "its renewals stopped for longer than its ttl"
+                )
+            )
         return holding
 
     def _take_holding(self) -> LeaseHolding:
@@ -632,39 +621,299 @@ class LeaseLock(LockContract):
         return holding
 
     def _forget(self, holding: LeaseHolding) -> None:
-        from advisory_locks._core.renewer import renewer
-
         self._holding = None
-        renewer().forget(holding)
+        (holding.renewer or self._renewer()).forget(holding)
 
-    def _row_or_none(self, holding: LeaseHolding) -> LeaseRow | None:
+    def _row_or_none_steps(self, holding: LeaseHolding) -> Steps[LeaseRow | None]:
         try:
-            rows = run_steps(self._rows_steps(holding), self._site)
+            rows = yield from self._rows_steps(holding)
         except Exception:
             logger.debug("could not ask who holds lease %r", holding.name, exc_info=True)
             return None
         return rows[0] if rows else None
 
-    def _learn_loss(
+    def _learn_loss_steps(
         self,
         holding: LeaseHolding,
         reason: str,
         *,
         row: LeaseRow | None = None,
         asked: bool = False,
-    ) -> LockLost:
+    ) -> Steps[LockLost]:
         """Mark the holding lost, asking the database who holds it (once) to tell
         LockStolen from LockLost; return the error to raise."""
         if holding.loss is not None:
             return holding.loss
         if not asked:
-            row = self._row_or_none(holding)
+            row = yield from self._row_or_none_steps(holding)
         loss = loss_error(holding, row, reason)
         if holding.mark_lost(loss):
             logger.warning("%s", loss)
         return holding.loss or loss
 
 
-def _source(site: Any) -> events.EventSource:
+class LeaseLock(_LeaseRules, LockContract):
+    """A lease lock, made by [`lease_lock`][advisory_locks.lease_lock]: a row held until
+    it expires unless renewed, with a fencing token.
+
+    A context manager (``with`` acquires, raising ``LockNotAcquired`` / ``LockTimeout``
+    when busy, releases at the end, and raises ``LockStolen`` / ``LockLost`` there if the
+    lease was lost inside the block) and an explicit ``acquire()`` / ``release()`` pair.
+    One object is one holder: it is not re-entrant, and two objects for one name exclude
+    each other, also in one thread. Do not construct it directly.
+
+    ``lost`` is a ``threading.Event`` set as soon as this process learns that the lease
+    it holds was lost (a renewal found it taken, or its renewals stopped for too long);
+    it is cleared by the next successful ``acquire()``.
+    """
+
+    __slots__ = ()
+
+    lost: threading.Event
+
+    def __init__(self, site: Any, name: str, stored_name: str, options: LeaseOptions) -> None:
+        self._site = site
+        self.user_name = name
+        self.lease_name = stored_name
+        self.options = options
+        self.lost = threading.Event()
+        self._system = None
+        self._holding: LeaseHolding | None = None
+        self._last_token: int | None = None
+
+    def _renewer(self) -> Any:
+        from advisory_locks._core.renewer import renewer
+
+        return renewer()
+
+    def acquire(self) -> bool:
+        """Take the lease; False when it stayed held by someone else for the whole timeout.
+
+        ``timeout=None`` waits as long as it takes, ``0`` tries once, ``t`` waits at most
+        ``t`` seconds. A waiter sleeps until the expiry it read (at most 2 s at a time); on
+        PostgreSQL a release wakes it at once (LISTEN/NOTIFY), unless the Engine is
+        declared behind a transaction pooler.
+        """
+        self._claim()
+        # No clock is read for events unless someone listens.
+        started = time.monotonic() if events.listeners else None
+        try:
+            granted = self._acquire(started)
+        except BaseException as error:
+            self._report_refusal(started, error)
+            raise
+        if not granted:
+            self._report_refusal(started, None)
+        return granted
+
+    def _acquire(self, started: float | None) -> bool:
+        if self.options.timeout == 0:
+            return run_steps(self._try_steps(0.0, started), self._site) is None
+        deadline = self._deadline()
+        # Subscribed before the first attempt, so a release right after it still wakes us.
+        listener = self._site.release_listener()
+        released = None if listener is None else listener.subscribe(self.lease_name)
+        try:
+            while True:
+                if released is not None:
+                    released.clear()
+                attempt = run_steps(self._try_steps(self._left(deadline), started), self._site)
+                if attempt is None:
+                    return True
+                pause = self._pause(attempt, deadline)
+                if pause is None:
+                    return False
+                if released is None:
+                    time.sleep(pause)
+                else:
+                    released.wait(pause)
+        finally:
+            if released is not None:
+                assert listener is not None
+                listener.unsubscribe(self.lease_name, released)
+
+    def release(self) -> None:
+        """Give the lease back; ``LockStolen`` / ``LockLost`` if it was lost meanwhile."""
+        run_steps(self._release_steps(), self._site)
+
+    def ensure_held(self) -> None:
+        """Raise ``LockStolen`` / ``LockLost`` unless the lease is still ours.
+
+        One round trip: reads the lease row (never waits for a fenced row). If the
+        database cannot be reached, the local deadline decides: the database cannot
+        expire the lease before it (its expiry is counted from a later instant).
+        """
+        run_steps(self._ensure_held_steps(), self._site)
+
+    def fence(self, bind: object) -> None:
+        """Inside ``bind``'s current transaction, prove the lease is still ours and keep any
+        other holder from taking it over until that transaction ends.
+
+        Call it before the writes the lease protects, in the same transaction: a write
+        made after ``fence()`` commits only if this holder still held the lease. Raises
+        ``LockStolen`` / ``LockLost`` (and the transaction should be rolled back) if not.
+
+        Args:
+            bind: a SQLAlchemy ``Session`` or ``Connection`` on the lease's database; a
+                transaction is begun on it if none is open (as any statement would).
+        """
+        if self._holding is None:
+            raise LockUsageError(f"lease {self.name!r} is not held by this object")
+        run_steps(self._fence_steps(self._site.fence_executor(bind)), self._site)
+
+
+class AsyncLeaseLock(_LeaseRules, AsyncLockContract):
+    """The asyncio twin of [`LeaseLock`][advisory_locks.LeaseLock], made by
+    [`lease_lock`][advisory_locks.lease_lock] for an async bind: ``async with``, and
+    ``acquire()``, ``release()``, ``ensure_held()`` and ``fence()`` are coroutines.
+
+    ``lost`` is an ``asyncio.Event``. The running event loop's renewer task keeps the
+    lease alive while the holder awaits; a loop blocked past the lease's deadline loses
+    it like a frozen process does. With ``cancel_on_loss=True`` the task that acquired
+    the lease is cancelled as soon as the loss is known, and the ``async with`` block
+    raises ``LockStolen`` / ``LockLost`` at its exit instead of ``CancelledError``.
+    """
+
+    __slots__ = ("_cancelling", "cancel_on_loss")
+
+    lost: asyncio.Event
+    cancel_on_loss: bool
+
+    def __init__(
+        self,
+        site: Any,
+        name: str,
+        stored_name: str,
+        options: LeaseOptions,
+        *,
+        cancel_on_loss: bool = False,
+    ) -> None:
+        self._site = site
+        self.user_name = name
+        self.lease_name = stored_name
+        self.options = options
+        self.cancel_on_loss = cancel_on_loss
+        self.lost = asyncio.Event()
+        self._system = None
+        self._holding: LeaseHolding | None = None
+        self._last_token: int | None = None
+        # The task cancel_on_loss cancelled, until the block's exit turns that into the loss.
+        self._cancelling: asyncio.Task[Any] | None = None
+
+    def _renewer(self) -> Any:
+        from advisory_locks._core.renewer import async_renewer
+
+        return async_renewer()
+
+    async def acquire(self) -> bool:
+        """Take the lease; False when it stayed held by someone else for the whole timeout
+        (waiting as ``LeaseLock.acquire()`` does, without blocking the event loop)."""
+        self._claim()
+        started = time.monotonic() if events.listeners else None
+        try:
+            granted = await self._acquire(started)
+        except BaseException as error:
+            self._report_refusal(started, error)
+            raise
+        if not granted:
+            self._report_refusal(started, None)
+        return granted
+
+    async def _acquire(self, started: float | None) -> bool:
+        run = self._site.run
+        if self.options.timeout == 0:
+            return await run(self._try_steps(0.0, started)) is None
+        deadline = self._deadline()
+        listener = self._site.release_listener()
+        released = None if listener is None else await listener.subscribe(self.lease_name)
+        try:
+            while True:
+                if released is not None:
+                    released.clear()
+                attempt = await run(self._try_steps(self._left(deadline), started))
+                if attempt is None:
+                    return True
+                pause = self._pause(attempt, deadline)
+                if pause is None:
+                    return False
+                if released is None:
+                    await asyncio.sleep(pause)
+                else:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(released.wait(), pause)
+        finally:
+            if released is not None:
+                assert listener is not None
+                listener.unsubscribe(self.lease_name, released)
+
+    async def release(self) -> None:
+        """Give the lease back; ``LockStolen`` / ``LockLost`` if it was lost meanwhile."""
+        await self._site.run(self._release_steps())
+
+    async def ensure_held(self) -> None:
+        """Raise ``LockStolen`` / ``LockLost`` unless the lease is still ours (one round
+        trip; see ``LeaseLock.ensure_held()``)."""
+        await self._site.run(self._ensure_held_steps())
+
+    async def fence(self, bind: object) -> None:
+        """``LeaseLock.fence()`` inside ``bind``'s current transaction.
+
+        Args:
+            bind: the connection that makes the protected writes, inside its transaction:
+                a SQLAlchemy ``AsyncSession`` or ``AsyncConnection``, an asyncpg
+                ``Connection`` inside ``conn.transaction()``, a psycopg
+                ``AsyncConnection`` in a transaction.
+        """
+        if self._holding is None:
+            raise LockUsageError(f"lease {self.name!r} is not held by this object")
+        await self._site.fence(bind, self._fence_steps)
+
+    def _new_flag(self) -> None:
+        self.lost.clear()
+        self._cancelling = None
+
+    def _held(self, holding: LeaseHolding) -> None:
+        if self.cancel_on_loss:
+            task = asyncio.current_task()
+            if task is not None:
+                holding.on_lost = lambda _loss: self._cancel(task)
+
+    def _cancel(self, task: asyncio.Task[Any]) -> None:
+        if not task.done() and task is not asyncio.current_task():
+            self._cancelling = task
+            task.cancel(f"lease {self.name!r} was lost")
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        task, self._cancelling = self._cancelling, None
+        if task is None or not isinstance(exc, asyncio.CancelledError):
+            await super().__aexit__(exc_type, exc, traceback)
+            return
+        # The block was cancelled because the lease was lost: that loss is what it
+        # raises, unless someone else cancelled the task too (then it stays cancelled).
+        uncancel = getattr(task, "uncancel", None)  # Python 3.11+
+        if uncancel is not None and uncancel() > 0:
+            await super().__aexit__(exc_type, exc, traceback)
+            return
+        try:
+            await self.release()
+        except LockLost as loss:
+            raise loss from None
+        raise exc  # pragma: no cover - a lost lease always raises at release
+
+    def __repr__(self) -> str:
+        state = "held" if self.held else "not held"
+        return f"<AsyncLeaseLock {self.name!r} token={self.token} {state}>"
+
+
+def _source(site: Any, system: str | None) -> events.EventSource:
     """Where a lease site's leases live, as their events say it."""
-    return events.EventSource(site.backend.dialect_name, getattr(site, "binding", "unknown"), None)
+    return events.EventSource(
+        system or site.backend.dialect_name,
+        getattr(site, "binding", "unknown"),
+        getattr(site, "database", None),
+    )

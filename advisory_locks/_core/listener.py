@@ -13,6 +13,7 @@ subscriber the thread closes it and ends.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -21,7 +22,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["LISTENING_DRIVERS", "ReleaseListener", "receive_notifications"]
+__all__ = [
+    "LISTENING_DRIVERS",
+    "AsyncReleaseListener",
+    "ReleaseListener",
+    "receive_notifications",
+]
 
 logger = logging.getLogger("advisory_locks")
 
@@ -147,3 +153,109 @@ class ReleaseListener:
             events = [event for events in self._waiters.values() for event in events]
         for event in events:
             event.set()
+
+
+class AsyncReleaseListener:
+    """The asyncio twin of ``ReleaseListener``, for one event loop: one LISTEN connection
+    (asyncpg's ``add_listener``, psycopg's ``AsyncConnection.notifies()``) wakes the
+    ``asyncio.Event`` of every waiter of a released name. Opened by the first waiter,
+    closed ``IDLE_SECONDS`` after the last one left."""
+
+    def __init__(self, open_connection: Callable[[], Any], channel: str) -> None:
+        # await open_connection() -> an object with .driver (an asyncpg Connection or a
+        # psycopg AsyncConnection in autocommit) and an async .aclose().
+        self._open = open_connection
+        self._channel = channel
+        self._waiters: dict[str, set[Any]] = {}
+        self._connection: Any = None
+        self._reader: Any = None
+        self._starting: Any = None
+        self._idle_handle: Any = None
+
+    async def subscribe(self, name: str) -> Any:
+        """An ``asyncio.Event`` set when ``name`` is released (maybe spuriously)."""
+        event = asyncio.Event()
+        self._waiters.setdefault(name, set()).add(event)
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
+        if self._connection is None or _closed(self._connection.driver):
+            if self._starting is None:
+                self._starting = asyncio.ensure_future(self._start())
+            starting = self._starting
+            try:
+                await asyncio.wait_for(asyncio.shield(starting), READY_SECONDS)
+            except Exception:
+                logger.debug("lease listener failed; waiters sleep until expiry", exc_info=True)
+        return event
+
+    def unsubscribe(self, name: str, event: Any) -> None:
+        events = self._waiters.get(name)
+        if events is not None:
+            events.discard(event)
+            if not events:
+                del self._waiters[name]
+        if not self._waiters and self._connection is not None and self._idle_handle is None:
+            loop = asyncio.get_running_loop()
+            self._idle_handle = loop.call_later(
+                IDLE_SECONDS, lambda: loop.create_task(self._stop_if_idle())
+            )
+
+    async def _start(self) -> None:
+        try:
+            old, self._connection = self._connection, None
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await old.aclose()
+            connection = await self._open()
+            driver = connection.driver
+            try:
+                if type(driver).__module__.startswith("asyncpg"):
+                    await driver.add_listener(
+                        self._channel, lambda _c, _pid, _channel, payload: self._wake([payload])
+                    )
+                else:  # psycopg's AsyncConnection
+                    await driver.execute(f"LISTEN {self._channel}")
+                    self._reader = asyncio.ensure_future(self._read(driver))
+            except BaseException:
+                await connection.aclose()
+                raise
+            self._connection = connection
+        finally:
+            self._starting = None
+
+    async def _read(self, driver: Any) -> None:
+        try:
+            async for notify in driver.notifies():
+                self._wake([notify.payload])
+        except Exception:
+            logger.debug("lease listener lost its connection", exc_info=True)
+        self._wake_everyone()
+
+    async def _stop_if_idle(self) -> None:
+        self._idle_handle = None
+        if self._waiters or self._connection is None:
+            return
+        connection, self._connection = self._connection, None
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+        with contextlib.suppress(Exception):
+            await connection.aclose()
+
+    def _wake(self, names: list[str]) -> None:
+        for name in names:
+            for event in self._waiters.get(name, ()):
+                event.set()
+
+    def _wake_everyone(self) -> None:
+        for events in self._waiters.values():
+            for event in events:
+                event.set()
+
+
+def _closed(driver: Any) -> bool:
+    is_closed = getattr(driver, "is_closed", None)  # asyncpg
+    if callable(is_closed):
+        return bool(is_closed())
+    return bool(getattr(driver, "closed", False))

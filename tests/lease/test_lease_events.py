@@ -13,7 +13,7 @@ from tests.lease.conftest import LeaseDatabase
 from tests.lease.test_lease_locks import expire_now, unique
 from tests.otel_support import Telemetry
 
-SYSTEMS = {"postgresql": "postgresql", "mariadb": "mysql", "sqlite": "sqlite"}
+SYSTEMS = {"postgresql": "postgresql", "mariadb": "mariadb", "sqlite": "sqlite"}
 
 
 def test_a_lease_grant_and_release_are_reported_with_its_token(

@@ -3,6 +3,7 @@ but the database and the queues/events handed to them)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
@@ -104,3 +105,68 @@ def increment_through_pooler(
     listened = lease_site(engine)._listener is not None
     engine.dispose()
     report.put((tokens, sorted(server_pids), listened))
+
+
+def async_hold(kind: str, url: str, name: str, report: Queue[Any], release: Event) -> None:
+    """Hold ``name`` through an async bind of ``kind`` until ``release`` is set."""
+    from tests.lease.async_binds import AsyncBind, url_of
+
+    async def hold() -> None:
+        bind = await AsyncBind(kind, url_of(url)).open()
+        try:
+            async with bind.lease(name, ttl=30, timeout=10) as lease:
+                report.put(("acquired", lease.token))
+                await asyncio.to_thread(release.wait)
+        finally:
+            await bind.close()
+        report.put(("released", None))
+
+    asyncio.run(hold())
+
+
+def async_hold_until_resumed(
+    kind: str,
+    url: str,
+    name: str,
+    ttl: float,
+    renew_every: float,
+    report: Queue[Any],
+    resumed: Event,
+) -> None:
+    """``hold_until_resumed`` through an async bind of ``kind``: once resumed, how soon
+    ``lost`` was set, and what ``ensure_held()``, a fenced write and the ``async with``
+    exit raised."""
+    from tests.lease.async_binds import AsyncBind, url_of
+
+    async def hold() -> dict[str, Any]:
+        bind = await AsyncBind(kind, url_of(url)).open()
+        outcome: dict[str, Any] = {}
+        try:
+            async with bind.lease(name, ttl=ttl, renew_every=renew_every, timeout=10) as lease:
+                report.put(("acquired", lease.token))
+                await asyncio.to_thread(resumed.wait)
+                start = time.monotonic()
+                try:
+                    await asyncio.wait_for(lease.lost.wait(), renew_every)
+                    outcome["lost_after"] = time.monotonic() - start
+                except asyncio.TimeoutError:
+                    outcome["lost_after"] = None
+                outcome["held"] = lease.held
+                for step, action in (
+                    ("ensure_held", lease.ensure_held),
+                    ("fence", lambda: bind.fenced_write(lease, "stale")),
+                ):
+                    try:
+                        await action()
+                        outcome[step] = None
+                    except LockLost as error:
+                        outcome[step] = type(error).__name__
+        except LockLost as error:
+            outcome["exit"] = type(error).__name__
+        else:
+            outcome["exit"] = None
+        finally:
+            await bind.close()
+        return outcome
+
+    report.put(("done", asyncio.run(hold())))

@@ -81,6 +81,10 @@ class LeaseBackend(Protocol):
     def create_table(self) -> list[str]:
         """DDL that creates the lease table if it is missing (idempotent)."""
 
+    def system_name(self, state: dict[str, Any]) -> str:
+        """The database as events name it (``"mariadb"`` for a MariaDB server), from
+        what the connection's ``state`` learnt."""
+
     def check_database(self, state: dict[str, Any]) -> StatementSteps[None]:
         """Refuse, before the first lease, a database that cannot hold leases for other
         connections (SQLite in memory). ``state`` lives as long as the connection."""

@@ -110,6 +110,9 @@ class MySQLLeaseBackend:
     def create_table(self) -> list[str]:
         return [CREATE_TABLE_SQL]
 
+    def system_name(self, state: dict[str, Any]) -> str:
+        return _advisory.system_name(state)
+
     def check_database(self, state: dict[str, Any]) -> StatementSteps[None]:
         yield from ()
 

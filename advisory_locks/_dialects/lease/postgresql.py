@@ -136,6 +136,9 @@ class PostgresLeaseBackend:
     def create_table(self) -> list[str]:
         return [CREATE_TABLE_SQL]
 
+    def system_name(self, state: dict[str, Any]) -> str:
+        return self.dialect_name
+
     def check_database(self, state: dict[str, Any]) -> StatementSteps[None]:
         yield from ()
 

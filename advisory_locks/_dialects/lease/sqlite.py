@@ -96,6 +96,9 @@ class SQLiteLeaseBackend:
     def create_table(self) -> list[str]:
         return [CREATE_TABLE_SQL]
 
+    def system_name(self, state: dict[str, Any]) -> str:
+        return self.dialect_name
+
     def check_database(self, state: dict[str, Any]) -> StatementSteps[None]:
         if state.get(DATABASE_CHECKED):
             return

@@ -1,0 +1,207 @@
+"""Lease locks on raw driver binds: where their statements run.
+
+The rule, the same for every raw driver:
+
+- A pool bind lends each lease statement one of its connections and takes it back at
+  once: holding a lease pins no pooled connection. A connection checked out of a pool
+  (asyncpg's ``pool.acquire()`` proxy) stands for its pool.
+- The renewer (and, on PostgreSQL, the LISTEN connection that wakes waiters) never uses a
+  pooled connection the application might be waiting for, nor the caller's connection,
+  which the application may be using at that very moment (another task, another
+  thread). It opens connections of its own, made the way the pool makes its connections.
+- A single connection cannot say how to open another one without guessing credentials
+  (a password from a file, a token that expires, a pooler in between): ``connect=`` says
+  it, a callable that returns (an awaitable of) a new connection to the same database,
+  and every lease statement runs on connections it opens, never on the caller's, whose
+  transaction the lease must not join. Without it, ``lease_lock()`` refuses the bind
+  before any SQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any, Final, Protocol
+
+from advisory_locks._bindings._raw import declared_pooler
+from advisory_locks._core.listener import AsyncReleaseListener
+from advisory_locks._core.steps import Steps, arun_steps
+from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
+from advisory_locks.errors import UnsupportedFeature
+
+__all__ = ["CREATE_HINT", "AsyncLeaseDriver", "AsyncRawLeaseSite", "async_lease_site"]
+
+CREATE_HINT: Final = (
+    f"the table {LEASE_TABLE} does not exist in this database. Create it once: with "
+    "SQLAlchemy, advisory_locks.sqlalchemy.create_lease_table(engine); with Django, "
+    "manage.py migrate advisory_locks_django; or run the CREATE TABLE statement of the "
+    "Leases page of the docs (concepts/leases)"
+)
+
+
+class AsyncLeaseDriver(Protocol):
+    """What the lease site needs to know about one asyncio driver."""
+
+    name: str
+    dialect: str
+
+    def pool_of(self, bind: Any) -> Any:
+        """The pool ``bind`` is (or was checked out of), else None."""
+
+    async def checkout(self, pool: Any) -> Any: ...
+
+    async def checkin(self, pool: Any, connection: Any, *, broken: bool) -> None: ...
+
+    async def open_like(self, pool: Any) -> Any:
+        """A new connection, made the way ``pool`` makes its connections."""
+
+    async def close(self, connection: Any) -> None: ...
+
+    def executor(self, connection: Any) -> Any: ...
+
+    def fence_executor(self, bind: Any) -> Any:
+        """An executor on ``bind`` inside its open transaction (else UnsupportedFeature)."""
+
+
+class _Borrowed:
+    """One connection lent for one lease statement (or two)."""
+
+    __slots__ = ("_broken", "_connection", "_site", "executor")
+
+    def __init__(self, site: AsyncRawLeaseSite, connection: Any) -> None:
+        self._site = site
+        self._connection = connection
+        self._broken = False
+        self.executor = site.driver.executor(connection)
+
+    def done(self) -> None:
+        pass
+
+    def broken(self, error: BaseException) -> None:
+        self._broken = True
+
+    async def asettle(self) -> None:
+        await self._site.give_back(self._connection, broken=self._broken)
+
+
+class _OwnConnection:
+    """A connection the site opened itself (the renewer's, the listener's)."""
+
+    __slots__ = ("_driver", "driver", "executor")
+
+    def __init__(self, driver: AsyncLeaseDriver, connection: Any) -> None:
+        self._driver = driver
+        self.driver = connection
+        self.executor = driver.executor(connection)
+
+    async def aclose(self) -> None:
+        await self._driver.close(self.driver)
+
+
+class AsyncRawLeaseSite:
+    """The leases of one asyncio pool (or of one connection and its ``connect``)."""
+
+    asynchronous = True
+    create_hint = CREATE_HINT
+
+    def __init__(
+        self,
+        driver: AsyncLeaseDriver,
+        *,
+        pool: Any = None,
+        connect: Callable[[], Any] | None = None,
+        pooler: str | None = None,
+    ) -> None:
+        self.driver = driver
+        self.binding = driver.name
+        self.backend: LeaseBackend = lease_backend_for_dialect(driver.dialect)
+        self._pool = pool
+        self._connect = connect
+        self._pooler = pooler
+        self._listeners: weakref.WeakKeyDictionary[Any, AsyncReleaseListener] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    async def run(self, steps: Steps[Any]) -> Any:
+        return await arun_steps(steps, self)
+
+    async def aborrow(self, *, transaction: bool) -> _Borrowed:
+        if self._pool is not None:
+            connection = await self.driver.checkout(self._pool)
+        else:
+            connection = await self._open()
+        return _Borrowed(self, connection)
+
+    async def give_back(self, connection: Any, *, broken: bool) -> None:
+        if self._pool is not None:
+            await self.driver.checkin(self._pool, connection, broken=broken)
+        else:
+            await self.driver.close(connection)
+
+    async def _open(self) -> Any:
+        if self._connect is None:
+            return await self.driver.open_like(self._pool)
+        opened = self._connect()
+        if inspect.isawaitable(opened):
+            opened = await opened
+        return opened
+
+    async def renewal_connection(self) -> _OwnConnection:
+        return _OwnConnection(self.driver, await self._open())
+
+    def release_listener(self) -> AsyncReleaseListener | None:
+        """This loop's listener; None behind a declared transaction pooler, where a
+        LISTEN would stay on a server connection that is handed to someone else."""
+        if self.backend.listen_sql is None or self._pooler == "transaction":
+            return None
+        loop = asyncio.get_running_loop()
+        listener = self._listeners.get(loop)
+        if listener is None:
+            listener = self._listeners[loop] = AsyncReleaseListener(
+                self.renewal_connection, LEASE_TABLE
+            )
+        return listener
+
+    async def fence(self, bind: object, fence_steps: Callable[[Any], Steps[None]]) -> None:
+        await arun_steps(fence_steps(self.driver.fence_executor(bind)), self)
+
+
+# Pools take no weak references (asyncpg's): sites are kept until their pool closes.
+_pool_sites: dict[tuple[int, Any], tuple[Any, AsyncRawLeaseSite]] = {}
+_connection_sites: weakref.WeakKeyDictionary[Any, dict[Any, AsyncRawLeaseSite]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def async_lease_site(
+    driver: AsyncLeaseDriver, bind: Any, connect: Callable[[], Any] | None
+) -> AsyncRawLeaseSite:
+    """The lease site of ``bind``: one per pool (so its leases renew together), one per
+    connection and ``connect``."""
+    pool = driver.pool_of(bind)
+    pooler = declared_pooler(bind, pool)
+    if pool is not None:
+        key = (id(pool), connect)
+        found = _pool_sites.get(key)
+        if found is not None and found[0] is pool:
+            return found[1]
+        for old, (other, _site) in list(_pool_sites.items()):
+            with contextlib.suppress(Exception):
+                if other.is_closing():
+                    del _pool_sites[old]
+        site = AsyncRawLeaseSite(driver, pool=pool, connect=connect, pooler=pooler)
+        _pool_sites[key] = (pool, site)
+        return site
+    if connect is None:
+        raise UnsupportedFeature(
+            f"a lease on a single {driver.name} connection needs connect=: a callable "
+            "that opens another connection to the same database (the renewer cannot use "
+            "yours, which your code may be using at that moment); or pass the pool"
+        )
+    sites = _connection_sites.setdefault(bind, {})
+    if connect not in sites:
+        sites[connect] = AsyncRawLeaseSite(driver, connect=connect, pooler=pooler)
+    return sites[connect]
