@@ -25,7 +25,16 @@ from advisory_locks_django.managers import (
     AdvisoryLockQuerySet,
     AdvisoryLockQuerySetMixin,
 )
-from advisory_locks_django.signals import lock_acquired, lock_failed, lock_released
+from advisory_locks_django.signals import (
+    lease_acquired,
+    lease_failed,
+    lease_lost,
+    lease_released,
+    lease_renewal_failed,
+    lock_acquired,
+    lock_failed,
+    lock_released,
+)
 
 __all__ = [
     "AdvisoryLockError",
@@ -45,7 +54,12 @@ __all__ = [
     "UnsupportedFeature",
     "advisory_lock",
     "current_advisory_locks",
+    "lease_acquired",
+    "lease_failed",
     "lease_lock",
+    "lease_lost",
+    "lease_released",
+    "lease_renewal_failed",
     "lock_acquired",
     "lock_failed",
     "lock_released",

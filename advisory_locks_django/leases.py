@@ -37,6 +37,7 @@ from advisory_locks._core.listener import LISTENING_DRIVERS, ReleaseListener
 from advisory_locks._core.prune import prune, prune_age
 from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
 from advisory_locks.errors import LockLost, UnsupportedFeature
+from advisory_locks_django import signals
 from advisory_locks_django._binding import DjangoExecutor
 from advisory_locks_django._compat import new_wrapper
 from advisory_locks_django.conf import SESSION_UNSAFE_POOLERS, lock_settings
@@ -462,3 +463,7 @@ def lease_site(alias: str) -> DjangoLeaseSite:
         if site is None:
             site = _sites[identity] = DjangoLeaseSite(alias)
         return site
+
+
+# Django's lease signals are sent for this app's leases, from the core's lock events.
+signals.forward_lease_events(DjangoLeaseLock)

@@ -26,6 +26,17 @@ in one is logged and can neither leak a lock nor break the transaction it fired 
 
 The signals are the core's lock events (``advisory_locks.events``) of this app's locks,
 forwarded: a listener subscribed there sees the same, for every binding.
+
+Leases taken with ``advisory_locks_django.lease_lock`` send their own signals, with
+``sender`` = [DjangoLeaseLock][advisory_locks_django.DjangoLeaseLock] and ``name``,
+``using`` and ``token`` (the fencing token of the holding; None in ``lease_failed``):
+``lease_acquired`` adds ``waited``; ``lease_failed`` adds ``waited``, ``reason``
+(``"busy"``, ``"timeout"`` or ``"error"``) and ``error``; ``lease_released`` adds ``held``
+and ``reason`` (``"unlock"``, ``"stolen"`` or ``"lost"``); ``lease_lost`` adds ``reason``
+(``"stolen"``: another holder took it over; ``"expired"`` or ``"not_held"``) and ``error``
+(the ``LockStolen`` / ``LockLost``); ``lease_renewal_failed`` adds ``error`` (a renewal
+that could not reach the database; the renewer retries). ``lease_lost`` and
+``lease_renewal_failed`` are sent from the renewer's thread.
 """
 
 from __future__ import annotations
@@ -39,13 +50,30 @@ from advisory_locks._core import events
 from advisory_locks._core.events import LockEvent
 from advisory_locks_django.conf import lock_settings
 
-__all__ = ["forward_lock_events", "lock_acquired", "lock_failed", "lock_released"]
+__all__ = [
+    "forward_lease_events",
+    "forward_lock_events",
+    "lease_acquired",
+    "lease_failed",
+    "lease_lost",
+    "lease_released",
+    "lease_renewal_failed",
+    "lock_acquired",
+    "lock_failed",
+    "lock_released",
+]
 
 logger = logging.getLogger("advisory_locks_django")
 
 lock_acquired = Signal()
 lock_released = Signal()
 lock_failed = Signal()
+
+lease_acquired = Signal()
+lease_released = Signal()
+lease_failed = Signal()
+lease_lost = Signal()
+lease_renewal_failed = Signal()
 
 
 def forward_lock_events(sender: type) -> None:
@@ -70,6 +98,57 @@ def forward_lock_events(sender: type) -> None:
             )
 
     events.subscribe(forward)
+
+
+def forward_lease_events(sender: type) -> None:
+    """Send the lease signals, as ``sender``, for the lease events of Django's binding."""
+
+    def forward(event: LockEvent) -> None:
+        if event.binding != "django" or event.scope != "lease":
+            return
+        kind = event.kind
+        if kind == "acquired":
+            send_lease(lease_acquired, sender, event, waited=event.waited)
+        elif kind == "released":
+            send_lease(lease_released, sender, event, held=event.held, reason=event.reason)
+        elif kind == "not_acquired":
+            send_lease(
+                lease_failed,
+                sender,
+                event,
+                waited=event.waited,
+                reason=event.reason,
+                error=event.error,
+            )
+        elif kind == "stolen":
+            send_lease(lease_lost, sender, event, reason="stolen", error=event.error)
+        elif kind == "lost":
+            send_lease(lease_lost, sender, event, reason=event.reason, error=event.error)
+        elif kind == "renewal_failed":
+            send_lease(lease_renewal_failed, sender, event, error=event.error)
+
+    events.subscribe(forward)
+
+
+def send_lease(signal: Signal, sender: type, event: LockEvent, **extra: Any) -> None:
+    """Send ``signal`` about one lease, unless signals are switched off or unheard."""
+    if not signal.receivers or not lock_settings().send_signals:
+        return
+    _log_failures(
+        signal.send_robust(
+            sender, name=event.name, using=event.database, token=event.token, **extra
+        )
+    )
+
+
+def _log_failures(responses: list[tuple[Any, Any]]) -> None:
+    for receiver, response in responses:
+        if isinstance(response, Exception):
+            logger.error(
+                "advisory lock signal receiver %r raised",
+                receiver,
+                exc_info=(type(response), response, response.__traceback__),
+            )
 
 
 def send(signal: Signal, sender: type, event: LockEvent, **extra: Any) -> None:

@@ -178,6 +178,66 @@ class TestOnPostgreSQL:
         finally:
             transaction.set_autocommit(True)
 
+    def test_lease_signals_report_grant_refusal_loss_and_release(self) -> None:
+        from advisory_locks_django import (
+            DjangoLeaseLock,
+            lease_acquired,
+            lease_failed,
+            lease_lost,
+            lease_released,
+            lock_acquired,
+        )
+
+        name = unique_name("lease")
+        sent: list[tuple[str, dict[str, Any]]] = []
+
+        def receiver(signal_name: str) -> Any:
+            def receive(sender: Any, **kwargs: Any) -> None:
+                assert sender is DjangoLeaseLock
+                if kwargs["name"] == name:
+                    sent.append((signal_name, kwargs))
+
+            return receive
+
+        receivers = {
+            signal: receiver(label)
+            for signal, label in (
+                (lease_acquired, "acquired"),
+                (lease_failed, "failed"),
+                (lease_lost, "lost"),
+                (lease_released, "released"),
+                (lock_acquired, "lock_acquired"),
+            )
+        }
+        for signal, receive in receivers.items():
+            signal.connect(receive)
+        lease = lease_lock(name, ttl=30, key_prefix="")
+
+        def stolen_inside() -> None:
+            with lease:
+                assert not lease_lock(name, timeout=0, key_prefix="").acquire()
+                with connections["default"].cursor() as cursor:
+                    cursor.execute(
+                        "UPDATE advisory_locks_lease SET holder = 'thief', token = token + 1 "
+                        "WHERE name = %s",
+                        [name],
+                    )
+                lease.ensure_held()
+
+        try:
+            with pytest.raises(LockStolen):
+                stolen_inside()
+        finally:
+            for signal, receive in receivers.items():
+                signal.disconnect(receive)
+        assert [label for label, _ in sent] == ["acquired", "failed", "released", "lost"]
+        acquired, failed, released, lost = (kwargs for _, kwargs in sent)
+        assert (acquired["using"], acquired["token"]) == ("default", lease.token)
+        assert acquired["waited"] >= 0
+        assert (failed["reason"], failed["token"]) == ("busy", None)
+        assert released["reason"] == "stolen"
+        assert (lost["reason"], type(lost["error"])) == ("stolen", LockStolen)
+
     def test_decorator_formats_the_name_and_skips_when_held(self) -> None:
         calls: list[int] = []
 
