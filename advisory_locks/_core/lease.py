@@ -896,12 +896,11 @@ class AsyncLeaseLock(_LeaseRules, AsyncLockContract):
         # The block was cancelled because the lease was lost: that loss is what it
         # raises, unless someone else cancelled the task too (then it stays cancelled).
         uncancel = getattr(task, "uncancel", None)  # Python 3.11+
-        if uncancel is not None and uncancel() > 0:
-            await super().__aexit__(exc_type, exc, traceback)
-            return
         try:
             await self.release()
         except LockLost as loss:
+            if uncancel is not None and uncancel() > 0:
+                return  # cancelled from outside as well: the CancelledError goes on
             raise loss from None
         raise exc  # pragma: no cover - a lost lease always raises at release
 

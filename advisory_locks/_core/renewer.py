@@ -45,12 +45,14 @@ IDLE_WAIT: Final = 3600.0
 class _Site:
     """The renewer's view of one lease site: its holdings and its own connection."""
 
-    __slots__ = ("connection", "holdings", "site")
+    __slots__ = ("connection", "fresh", "holdings", "site")
 
     def __init__(self, site: Any) -> None:
         self.site = site
         self.holdings: set[LeaseHolding] = set()
         self.connection: Any = None
+        # Not yet connected to ahead of its first renewal.
+        self.fresh = True
 
     def executor(self, renew_every: float) -> Any:
         if self.connection is None:
@@ -116,6 +118,7 @@ class Renewer:
     def _run(self) -> None:
         while True:
             try:
+                self._connect_new_sites()
                 self._wait_until_due()
                 self._close_retired()
                 now = time.monotonic()
@@ -126,6 +129,21 @@ class Renewer:
                 # Whatever went wrong, the leases still need renewing.
                 logger.exception("lease renewer: unexpected error; carrying on")
                 time.sleep(RETRY_MAX)
+
+    def _connect_new_sites(self) -> None:
+        # At once, not at the first renewal: a process frozen before then would otherwise
+        # connect after it resumes, and learn of a takeover that much later.
+        with self._wake:
+            new = [site for site in self._sites.values() if site.fresh and site.holdings]
+        for site in new:
+            site.fresh = False
+            holdings = list(site.holdings)
+            if holdings and site.connection is None:
+                try:
+                    site.executor(min(h.renew_every for h in holdings))
+                except Exception:
+                    logger.debug("the renewer could not connect yet", exc_info=True)
+                    site.drop_connection()
 
     def _close_retired(self) -> None:
         with self._wake:
@@ -141,7 +159,7 @@ class Renewer:
     def _wait_until_due(self) -> None:
         with self._wake:
             while True:
-                if self._retired:
+                if self._retired or any(s.fresh and s.holdings for s in self._sites.values()):
                     return
                 wake_at = next_wake(self._sites.values())
                 if wake_at is not None:
@@ -320,12 +338,14 @@ def _script(sql: str) -> Generator[Statement, Any, None]:
 class _AsyncSite:
     """The async renewer's view of one lease site: its holdings and its own connection."""
 
-    __slots__ = ("connection", "holdings", "site")
+    __slots__ = ("connection", "fresh", "holdings", "site")
 
     def __init__(self, site: Any) -> None:
         self.site = site
         self.holdings: set[LeaseHolding] = set()
         self.connection: Any = None
+        # Not yet connected to ahead of its first renewal.
+        self.fresh = True
 
     async def executor(self, renew_every: float) -> Any:
         if self.connection is None:
@@ -399,6 +419,7 @@ class AsyncRenewer:
     async def _run(self) -> None:
         while True:
             try:
+                await self._connect_new_sites()
                 if not await self._wait_until_due():
                     # Nothing held, nothing to close: decided with no await since, so a
                     # hold() after this starts a new task.
@@ -417,7 +438,7 @@ class AsyncRenewer:
     async def _wait_until_due(self) -> bool:
         while True:
             self._wake.clear()
-            if self._retired:
+            if self._retired or any(s.fresh and s.holdings for s in self._sites.values()):
                 return True
             wake_at = next_wake(self._sites.values())
             if wake_at is None:
@@ -427,6 +448,20 @@ class AsyncRenewer:
                 return True
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)
+
+    async def _connect_new_sites(self) -> None:
+        # At once, not at the first renewal (see Renewer._connect_new_sites).
+        for site in list(self._sites.values()):
+            holdings = list(site.holdings)
+            if not (site.fresh and holdings):
+                continue
+            site.fresh = False
+            if site.connection is None:
+                try:
+                    await site.executor(min(h.renew_every for h in holdings))
+                except Exception:
+                    logger.debug("the renewer could not connect yet", exc_info=True)
+                    await site.drop_connection()
 
     async def _close_retired(self) -> None:
         retired, self._retired = self._retired, []
