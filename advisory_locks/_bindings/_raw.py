@@ -895,10 +895,26 @@ class RawBinding:
         driver: RawDriver,
         *,
         is_pool: Callable[[object], bool] = lambda bind: False,
+        lease: Any = None,
     ) -> None:
         self.driver = driver
         self.is_async = isinstance(driver, AsyncRawDriver)
         self._is_pool = is_pool
+        # The binding's lease driver (raw_lease.LeaseDriver / AsyncLeaseDriver), or None.
+        self._lease = lease
+
+    def lease_site(self, bind: Any, *, connect: Any = None) -> Any:
+        """Where ``lease_lock(bind, ...)`` runs its statements (``raw_lease``)."""
+        if self._lease is None:
+            raise UnsupportedFeature(
+                f"lease locks are not available for {self.driver.name} binds; pass a "
+                "SQLAlchemy Engine or another driver's pool"
+            )
+        from advisory_locks._bindings import raw_lease
+
+        if self.is_async:
+            return raw_lease.async_lease_site(self._lease, bind, connect)
+        return raw_lease.lease_site(self._lease, bind, connect)
 
     def _site(self, bind: Any, *, transaction: bool, lock_set: bool = False) -> Any:
         if self._is_pool(bind):

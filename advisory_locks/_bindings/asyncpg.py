@@ -25,7 +25,7 @@ from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
 from advisory_locks.errors import UnsupportedFeature
 
-__all__ = ["AsyncpgBinding", "AsyncpgDriver", "AsyncpgExecutor", "AsyncpgLeaseDriver"]
+__all__ = ["AsyncpgDriver", "AsyncpgExecutor", "AsyncpgLeaseDriver"]
 
 # How long a discarded connection may take to close gracefully before its socket is cut.
 CLOSE_TIMEOUT_SECONDS: Final = 5.0
@@ -169,17 +169,11 @@ class AsyncpgLeaseDriver:
         return AsyncpgExecutor(bind, {})
 
 
-class AsyncpgBinding(RawBinding):
-    def lease_site(self, bind: Any, *, connect: Any = None) -> Any:
-        from advisory_locks._bindings.raw_lease import async_lease_site
-
-        return async_lease_site(_lease_driver, bind, connect)
-
-
 _driver = AsyncpgDriver()
-_lease_driver = AsyncpgLeaseDriver(_driver)
 
 register_binding(
     [Connection, PoolConnectionProxy, Pool],
-    AsyncpgBinding(_driver, is_pool=lambda bind: isinstance(bind, Pool)),
+    RawBinding(
+        _driver, is_pool=lambda bind: isinstance(bind, Pool), lease=AsyncpgLeaseDriver(_driver)
+    ),
 )

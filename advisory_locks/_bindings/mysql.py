@@ -23,6 +23,7 @@ import contextlib
 from typing import Any, Final
 
 from advisory_locks._bindings._raw import IN_TRANSACTION, UNKNOWN, RawBinding, RawDriver
+from advisory_locks._bindings.raw_lease import LeaseDriver
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import DBAPIExecutor
 
@@ -96,6 +97,10 @@ class MySQLDriver(RawDriver):
             bind.close()
 
 
+def _binding(driver: MySQLDriver) -> RawBinding:
+    return RawBinding(driver, lease=LeaseDriver(driver, "mysql"))
+
+
 def _register() -> None:
     try:
         from pymysql.connections import Connection as PyMySQLConnection
@@ -103,7 +108,7 @@ def _register() -> None:
     except ImportError:  # only one of the two drivers need be installed
         pass
     else:
-        register_binding([PyMySQLConnection], RawBinding(MySQLDriver(PyMySQLCursor, "pymysql")))
+        register_binding([PyMySQLConnection], _binding(MySQLDriver(PyMySQLCursor, "pymysql")))
     try:
         import MySQLdb
     except ImportError:
@@ -113,7 +118,7 @@ def _register() -> None:
     from MySQLdb.connections import Connection as MySQLdbConnection
     from MySQLdb.cursors import Cursor as MySQLdbCursor
 
-    register_binding([MySQLdbConnection], RawBinding(MySQLDriver(MySQLdbCursor, "mysqlclient")))
+    register_binding([MySQLdbConnection], _binding(MySQLDriver(MySQLdbCursor, "mysqlclient")))
 
 
 _register()

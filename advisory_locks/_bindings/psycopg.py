@@ -13,6 +13,7 @@ from psycopg import Connection
 from advisory_locks._bindings import _psycopg_pool_compat
 from advisory_locks._bindings._psycopg_pool_compat import pool_of
 from advisory_locks._bindings._raw import RawBinding, RawDriver, release_at_checkin
+from advisory_locks._bindings.raw_lease import LeaseDriver
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.steps import run_steps
 
@@ -73,9 +74,20 @@ def _register() -> None:
     else:
         pool_types = (ConnectionPool,)
         types.append(ConnectionPool)
-    register_binding(
-        types,
-        RawBinding(PsycopgDriver(), is_pool=lambda bind: isinstance(bind, pool_types)),
+
+    def is_pool(bind: object) -> bool:
+        return isinstance(bind, pool_types)
+
+    driver = PsycopgDriver()
+    lease = LeaseDriver(driver, "postgresql", is_pool=is_pool, open_like=_open_like, notifies=True)
+    register_binding(types, RawBinding(driver, is_pool=is_pool, lease=lease))
+
+
+def _open_like(pool: Any) -> Any:
+    """A connection made the way ``pool`` makes its own (psycopg_pool's public
+    ``connection_class``, ``conninfo`` and ``kwargs``), in autocommit."""
+    return pool.connection_class.connect(
+        pool.conninfo, **{**(pool.kwargs or {}), "autocommit": True}
     )
 
 

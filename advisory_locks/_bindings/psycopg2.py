@@ -10,6 +10,7 @@ from psycopg2.extensions import connection as Psycopg2Connection
 
 from advisory_locks._bindings._psycopg2_compat import guard_pool_checkins
 from advisory_locks._bindings._raw import RawBinding, RawDriver, release_at_checkin
+from advisory_locks._bindings.raw_lease import LeaseDriver
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.steps import run_steps
 
@@ -53,4 +54,7 @@ def _checked_in(connection: Any) -> bool:
 
 
 guard_pool_checkins(_checked_in)
-register_binding([Psycopg2Connection], RawBinding(_DRIVER))
+register_binding(
+    [Psycopg2Connection],
+    RawBinding(_DRIVER, lease=LeaseDriver(_DRIVER, "postgresql", notifies=True)),
+)

@@ -25,7 +25,6 @@ from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, arun_step
 from advisory_locks.errors import UnsupportedFeature
 
 __all__ = [
-    "AsyncPsycopgBinding",
     "AsyncPsycopgDriver",
     "AsyncPsycopgExecutor",
     "AsyncPsycopgLeaseDriver",
@@ -159,7 +158,7 @@ class AsyncPsycopgLeaseDriver:
             await pool.putconn(connection)  # a closed one is replaced by the pool
 
     async def open_like(self, pool: Any) -> Any:
-        kwargs = {**pool.kwargs, "autocommit": True}
+        kwargs = {**(pool.kwargs or {}), "autocommit": True}
         return await pool.connection_class.connect(pool.conninfo, **kwargs)
 
     async def close(self, connection: Any) -> None:
@@ -182,16 +181,6 @@ class AsyncPsycopgLeaseDriver:
         return AsyncPsycopgExecutor(bind, {})
 
 
-class AsyncPsycopgBinding(RawBinding):
-    def lease_site(self, bind: Any, *, connect: Any = None) -> Any:
-        from advisory_locks._bindings.raw_lease import async_lease_site
-
-        return async_lease_site(_lease_driver, bind, connect)
-
-
-_lease_driver = AsyncPsycopgLeaseDriver()
-
-
 def _register() -> None:
     types: list[type] = [AsyncConnection]
     try:
@@ -203,8 +192,10 @@ def _register() -> None:
         types.append(AsyncConnectionPool)
     register_binding(
         types,
-        AsyncPsycopgBinding(
-            AsyncPsycopgDriver(), is_pool=lambda bind: isinstance(bind, pool_types)
+        RawBinding(
+            AsyncPsycopgDriver(),
+            is_pool=lambda bind: isinstance(bind, pool_types),
+            lease=AsyncPsycopgLeaseDriver(),
         ),
     )
 

@@ -22,17 +22,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 from advisory_locks._bindings._raw import declared_pooler
-from advisory_locks._core.listener import AsyncReleaseListener
+from advisory_locks._core.executors import (
+    driver_autocommit,
+    driver_in_transaction,
+    restore_driver_autocommit,
+    set_driver_autocommit,
+)
+from advisory_locks._core.listener import AsyncReleaseListener, ReleaseListener
 from advisory_locks._core.steps import Steps, arun_steps
 from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
 from advisory_locks.errors import UnsupportedFeature
 
-__all__ = ["CREATE_HINT", "AsyncLeaseDriver", "AsyncRawLeaseSite", "async_lease_site"]
+__all__ = [
+    "CREATE_HINT",
+    "AsyncLeaseDriver",
+    "AsyncRawLeaseSite",
+    "LeaseDriver",
+    "RawLeaseSite",
+    "async_lease_site",
+    "lease_site",
+]
 
 CREATE_HINT: Final = (
     f"the table {LEASE_TABLE} does not exist in this database. Create it once: with "
@@ -205,3 +220,210 @@ def async_lease_site(
     if connect not in sites:
         sites[connect] = AsyncRawLeaseSite(driver, connect=connect, pooler=pooler)
     return sites[connect]
+
+
+class LeaseDriver:
+    """What the lease site needs to know about one blocking driver: its ``RawDriver``
+    (checkout, check-in, executor), its database, and how to open a connection like a
+    pool's (None: a driver without pools)."""
+
+    def __init__(
+        self,
+        raw: Any,
+        dialect: str,
+        *,
+        is_pool: Callable[[object], bool] = lambda bind: False,
+        open_like: Callable[[Any], Any] | None = None,
+        notifies: bool = False,
+    ) -> None:
+        self.raw = raw
+        self.name: str = raw.name
+        self.dialect = dialect
+        self._is_pool = is_pool
+        self._open_like = open_like
+        self.notifies = notifies
+
+    def pool_of(self, bind: Any) -> Any:
+        if self._is_pool(bind):
+            return bind
+        return self.raw.pool_of(bind)
+
+    def checkout(self, pool: Any) -> Any:
+        return self.raw.checkout(pool)
+
+    def checkin(self, pool: Any, connection: Any) -> None:
+        self.raw.checkin(pool, connection)
+
+    def open_like(self, pool: Any) -> Any:
+        assert self._open_like is not None
+        return self._open_like(pool)
+
+    def executor(self, connection: Any) -> Any:
+        return self.raw.executor(connection, {})
+
+
+class _SyncBorrowed:
+    """One connection lent for one lease statement (or two), in autocommit."""
+
+    __slots__ = ("_broken", "_connection", "_restore", "_site", "executor")
+
+    def __init__(self, site: RawLeaseSite, connection: Any, restore: tuple[object] | None) -> None:
+        self._site = site
+        self._connection = connection
+        self._restore = restore
+        self._broken = False
+        self.executor = site.driver.executor(connection)
+
+    def done(self) -> None:
+        pass
+
+    def broken(self, error: BaseException) -> None:
+        self._broken = True
+
+    def settle(self) -> None:
+        self._site.give_back(self._connection, self._restore, broken=self._broken)
+
+    async def asettle(self) -> None:  # pragma: no cover - a blocking site's borrow
+        self.settle()
+
+
+class _SyncOwnConnection:
+    """A connection the site opened itself (the renewer's, the listener's)."""
+
+    __slots__ = ("driver", "executor")
+
+    def __init__(self, driver: LeaseDriver, connection: Any) -> None:
+        self.driver = connection
+        self.executor = driver.executor(connection)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.driver.close()
+
+
+class RawLeaseSite:
+    """The leases of one blocking pool (or of one connection and its ``connect``)."""
+
+    create_hint = CREATE_HINT
+
+    def __init__(
+        self,
+        driver: LeaseDriver,
+        *,
+        pool: Any = None,
+        connect: Callable[[], Any] | None = None,
+        pooler: str | None = None,
+    ) -> None:
+        self.driver = driver
+        self.binding = driver.name
+        self.backend: LeaseBackend = lease_backend_for_dialect(driver.dialect)
+        self._pool = pool
+        self._connect = connect
+        self._pooler = pooler
+        self._listener: ReleaseListener | None = None
+        self._listener_lock = threading.Lock()
+
+    def borrow(self, *, transaction: bool) -> _SyncBorrowed:
+        if self._pool is None:
+            return _SyncBorrowed(self, self._open(), None)
+        connection = self.driver.checkout(self._pool)
+        try:
+            restore = None
+            if not driver_autocommit(connection):
+                restore = (set_driver_autocommit(connection, True),)
+        except BaseException:
+            self.driver.checkin(self._pool, connection)
+            raise
+        return _SyncBorrowed(self, connection, restore)
+
+    def give_back(self, connection: Any, restore: tuple[object] | None, *, broken: bool) -> None:
+        if self._pool is None:
+            with contextlib.suppress(Exception):
+                connection.close()
+            return
+        try:
+            if broken:
+                with contextlib.suppress(Exception):
+                    connection.close()  # the pool replaces a closed connection
+            elif restore is not None:
+                restore_driver_autocommit(connection, restore[0])
+        finally:
+            self.driver.checkin(self._pool, connection)
+
+    def _open(self) -> Any:
+        connection = self._connect() if self._connect is not None else None
+        if connection is None:
+            connection = self.driver.open_like(self._pool)
+        try:
+            if not driver_autocommit(connection):
+                set_driver_autocommit(connection, True)
+        except BaseException:
+            connection.close()
+            raise
+        return connection
+
+    def renewal_connection(self) -> _SyncOwnConnection:
+        return _SyncOwnConnection(self.driver, self._open())
+
+    def release_listener(self) -> ReleaseListener | None:
+        """The listener waking this site's waiters; None where LISTEN cannot work (another
+        database, a driver without notifications, a declared transaction pooler)."""
+        listen_sql = self.backend.listen_sql
+        if listen_sql is None or not self.driver.notifies or self._pooler == "transaction":
+            return None
+        with self._listener_lock:
+            if self._listener is None:
+                self._listener = ReleaseListener(self.renewal_connection, listen_sql)
+            return self._listener
+
+    def fence_executor(self, bind: object) -> Any:
+        if self.driver.pool_of(bind) is bind or not hasattr(bind, "cursor"):
+            raise TypeError(
+                "fence() runs inside your transaction: pass the connection that makes the "
+                f"protected writes, not {type(bind).__name__}"
+            )
+        if driver_autocommit(bind) and not driver_in_transaction(bind):
+            raise UnsupportedFeature(
+                "fence() needs a transaction, but this connection is in autocommit mode "
+                "outside one, where the fence would end with its own statement"
+            )
+        return self.driver.executor(bind)
+
+
+# One site per pool (so that its leases renew together), or per connect= callable.
+_sync_sites: weakref.WeakKeyDictionary[Any, RawLeaseSite] = weakref.WeakKeyDictionary()
+# Pools that take no weak references: kept by id (with the pool, to check identity).
+_sync_strong_sites: dict[int, tuple[Any, RawLeaseSite]] = {}
+_sites_lock = threading.Lock()
+
+
+def lease_site(driver: LeaseDriver, bind: Any, connect: Callable[[], Any] | None) -> RawLeaseSite:
+    """The lease site of a blocking ``bind``; a single connection needs ``connect``."""
+    pool = driver.pool_of(bind)
+    pooler = declared_pooler(bind, pool)
+    if pool is None and connect is None:
+        raise UnsupportedFeature(
+            f"a lease on a single {driver.name} connection needs connect=: a callable "
+            "that opens another connection to the same database (the renewer cannot use "
+            "yours, which another thread may be using at that moment); or pass a pool"
+        )
+    if pool is not None and connect is not None:
+        # connect= opens the renewer's connection; statements borrow from the pool.
+        return RawLeaseSite(driver, pool=pool, connect=connect, pooler=pooler)
+    owner = pool if pool is not None else connect
+    with _sites_lock:
+        try:
+            site = _sync_sites.get(owner)
+        except TypeError:
+            found = _sync_strong_sites.get(id(owner))
+            site = found[1] if found is not None and found[0] is owner else None
+            if site is None:
+                site = RawLeaseSite(driver, pool=pool, connect=connect, pooler=pooler)
+                _sync_strong_sites[id(owner)] = (owner, site)
+            return site
+        if site is None:
+            site = RawLeaseSite(driver, pool=pool, connect=connect, pooler=pooler)
+            # A callable without weak references gets a site of its own each time.
+            with contextlib.suppress(TypeError):
+                _sync_sites[owner] = site
+        return site

@@ -35,6 +35,7 @@ from advisory_locks._bindings._raw import (
     RawConnectionState,
     RawDriver,
 )
+from advisory_locks._bindings.raw_lease import LeaseDriver
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import DBAPIExecutor
 from advisory_locks._core.steps import ROWS, Statement
@@ -145,4 +146,5 @@ class SQLite3Driver(RawDriver):
             _kept[key] = (weakref.ref(lifetime, closed), state)
 
 
-register_binding([sqlite3.Connection], RawBinding(SQLite3Driver()))
+_DRIVER = SQLite3Driver()
+register_binding([sqlite3.Connection], RawBinding(_DRIVER, lease=LeaseDriver(_DRIVER, "sqlite")))

@@ -309,13 +309,14 @@ def current_advisory_locks(bind: object) -> list[LockName]:
 
 @overload
 def lease_lock(
-    bind: Session | Connection | Engine,
+    bind: Session | Connection | Engine | SyncRawBind,
     name: str,
     *,
     ttl: float = DEFAULT_TTL,
     renew_every: float | None = None,
     timeout: Timeout = None,
     key_prefix: str | int | None = None,
+    connect: Callable[[], Any] | None = None,
 ) -> LeaseLock: ...
 
 
@@ -370,9 +371,12 @@ def lease_lock(
 
     Args:
         bind: a SQLAlchemy ``Engine``, ``Session`` or ``Connection``, or their asyncio
-            versions (``AsyncEngine``, ``AsyncSession``, ``AsyncConnection``); an asyncpg
-            ``Pool`` or ``Connection``. A pool (an Engine's included) lends each lease
-            statement a connection and takes it back at once.
+            versions (``AsyncEngine``, ``AsyncSession``, ``AsyncConnection``); a raw
+            driver's pool (psycopg_pool ``ConnectionPool`` / ``AsyncConnectionPool``,
+            asyncpg ``Pool``) or connection (psycopg, psycopg2, asyncpg, PyMySQL,
+            mysqlclient, ``sqlite3``; a connection checked out of a pool stands for its
+            pool). A pool (an Engine's included) lends each lease statement a connection
+            and takes it back at once.
         name: a non-empty ``str`` (with its prefix, at most 255 characters); the same
             name is the same lease for every process and ORM using the database.
         ttl: seconds the lease lasts after each acquire or renewal, by the database's
@@ -387,8 +391,8 @@ def lease_lock(
             as its loss is known; its ``async with`` block then raises ``LockStolen`` /
             ``LockLost`` instead of ``CancelledError``. (A thread cannot be cancelled:
             blocking code checks ``lost`` or calls ``ensure_held()``.)
-        connect: for a single raw driver connection (an asyncpg ``Connection``): a
-            callable returning (an awaitable of) a new connection to the same database.
+        connect: for a single raw driver connection: a callable returning (for an
+            asyncio driver, an awaitable of) a new connection to the same database.
             The lease's statements and its renewer run on connections it opens, never
             on yours, which your code may be using at that very moment. Required there;
             a pool bind needs none.

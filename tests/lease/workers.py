@@ -170,3 +170,62 @@ def async_hold_until_resumed(
         return outcome
 
     report.put(("done", asyncio.run(hold())))
+
+
+def raw_hold(kind: str, url: str, name: str, report: Queue[Any], release: Event) -> None:
+    """Hold ``name`` through a blocking raw bind of ``kind`` until ``release`` is set."""
+    from sqlalchemy.engine import make_url
+
+    from tests.lease.raw_binds import RawBind
+
+    bind = RawBind(kind, make_url(url)).open()
+    try:
+        with bind.lease(name, ttl=30, timeout=10) as lease:
+            report.put(("acquired", lease.token))
+            release.wait()
+    finally:
+        bind.close()
+    report.put(("released", None))
+
+
+def raw_hold_until_resumed(
+    kind: str,
+    url: str,
+    name: str,
+    ttl: float,
+    renew_every: float,
+    report: Queue[Any],
+    resumed: Event,
+) -> None:
+    """``hold_until_resumed`` through a blocking raw bind of ``kind``."""
+    from sqlalchemy.engine import make_url
+
+    from tests.lease.raw_binds import RawBind
+
+    bind = RawBind(kind, make_url(url)).open()
+    outcome: dict[str, Any] = {}
+    try:
+        with bind.lease(name, ttl=ttl, renew_every=renew_every, timeout=10) as lease:
+            report.put(("acquired", lease.token))
+            resumed.wait()
+            start = time.monotonic()
+            outcome["lost_after"] = (
+                time.monotonic() - start if lease.lost.wait(renew_every) else None
+            )
+            outcome["held"] = lease.held
+            for step, action in (
+                ("ensure_held", lease.ensure_held),
+                ("fence", lambda: bind.fenced_write(lease, "stale")),
+            ):
+                try:
+                    action()
+                    outcome[step] = None
+                except LockLost as error:
+                    outcome[step] = type(error).__name__
+    except LockLost as error:
+        outcome["exit"] = type(error).__name__
+    else:
+        outcome["exit"] = None
+    finally:
+        bind.close()
+    report.put(("done", outcome))

@@ -1,0 +1,209 @@
+"""Lease locks on blocking raw driver binds: psycopg's ConnectionPool and Connection and a
+psycopg2 connection on PostgreSQL, a PyMySQL connection on MariaDB, a ``sqlite3``
+connection on SQLite.
+
+The same lease as through SQLAlchemy (one implementation): exclusion across processes
+and bindings, a token that only grows, a frozen holder that learns of its loss within one
+renewal period and whose fenced write is refused. A pool lends each statement a
+connection; a single connection needs ``connect=`` and is never used by the lease.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import signal
+import sqlite3
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from advisory_locks import LeaseTableMissing, UnsupportedFeature, lease_lock
+from tests.helpers import EventRecorder
+from tests.lease.conftest import LeaseDatabase, fenced_write
+from tests.lease.raw_binds import PAIRS, RawBind
+from tests.lease.test_lease_locks import (
+    drop_missing_table_database,
+    missing_table_url,
+    unique,
+    url_text,
+)
+from tests.lease.workers import raw_hold, raw_hold_until_resumed
+
+SPAWN = multiprocessing.get_context("spawn")
+START_SECONDS = 60.0
+
+pytestmark = pytest.mark.parametrize(("lease_db", "kind"), PAIRS, indirect=["lease_db"])
+
+
+@pytest.fixture
+def raw(lease_db: LeaseDatabase, kind: str) -> Iterator[RawBind]:
+    bind = RawBind(kind, lease_db.url).open()
+    yield bind
+    bind.close()
+
+
+def test_a_lease_held_in_another_process_excludes_this_one_and_the_token_grows(
+    raw: RawBind, lease_db: LeaseDatabase
+) -> None:
+    name = unique()
+    report = SPAWN.Queue()
+    release = SPAWN.Event()
+    child = SPAWN.Process(
+        target=raw_hold, args=(raw.kind, url_text(lease_db), name, report, release)
+    )
+    child.start()
+    try:
+        kind, held_token = report.get(timeout=START_SECONDS)
+        assert kind == "acquired"
+        assert not raw.lease(name, timeout=0).acquire()
+        # A SQLAlchemy holder on the same database is the same lease.
+        assert not lease_lock(lease_db.engine, name, timeout=0).acquire()
+        release.set()
+        assert report.get(timeout=START_SECONDS) == ("released", None)
+        tokens = [held_token]
+        for _ in range(3):
+            with raw.lease(name, timeout=10) as lease:
+                assert lease.held
+                tokens.append(lease.token)
+        assert tokens == sorted(tokens)
+        assert len(set(tokens)) == 4
+    finally:
+        release.set()
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def test_a_frozen_holder_learns_it_was_stolen_and_its_fenced_write_is_refused(
+    raw: RawBind, lease_db: LeaseDatabase
+) -> None:
+    name = unique()
+    ttl, period = 1.5, 0.4
+    report = SPAWN.Queue()
+    resumed = SPAWN.Event()
+    child = SPAWN.Process(
+        target=raw_hold_until_resumed,
+        args=(raw.kind, url_text(lease_db), name, ttl, period, report, resumed),
+    )
+    child.start()
+    try:
+        kind, stale_token = report.get(timeout=START_SECONDS)
+        assert kind == "acquired"
+        os.kill(child.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        with raw.lease(name, ttl=30, timeout=10) as thief:
+            assert thief.token == stale_token + 1
+            raw.fenced_write(thief, "thief")
+            os.kill(child.pid, signal.SIGCONT)  # type: ignore[arg-type]
+            resumed.set()
+            kind, outcome = report.get(timeout=START_SECONDS)
+        child.join(30)
+    finally:
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGCONT)  # type: ignore[arg-type]
+            child.kill()
+    assert kind == "done"
+    assert outcome["lost_after"] is not None
+    assert outcome["lost_after"] <= period
+    assert outcome == {
+        "lost_after": outcome["lost_after"],
+        "held": False,
+        "ensure_held": "LockStolen",
+        "fence": "LockStolen",
+        "exit": "LockStolen",
+    }
+    prefix = os.environ.get("ADVISORY_LOCKS_PREFIX", "")
+    assert lease_db.writes(prefix + name) == [(stale_token + 1, "thief", 0)]
+
+
+def test_raw_and_sqlalchemy_holders_of_one_name_count_one_token(
+    raw: RawBind, lease_db: LeaseDatabase
+) -> None:
+    name = unique()
+    with raw.lease(name, timeout=0) as lease:
+        raw.fenced_write(lease, "raw-holder")
+    with lease_lock(lease_db.engine, name, timeout=0) as other:
+        fenced_write(other, lease_db.engine, "sqlalchemy-holder")
+    prefix = os.environ.get("ADVISORY_LOCKS_PREFIX", "")
+    assert [token for token, _writer, _value in lease_db.writes(prefix + name)] == [
+        lease.token,
+        other.token,
+    ]
+
+
+def test_holding_a_lease_pins_no_connection_of_the_pool(raw: RawBind) -> None:
+    if raw.kind != "psycopg-pool":
+        # A single connection's leases run on connections from connect=, never on it.
+        connection_in_use = raw.bind
+        with raw.lease(unique(), ttl=3) as lease:
+            cursor = connection_in_use.cursor()
+            cursor.execute("SELECT 1")
+            assert cursor.fetchone() == (1,)
+            assert lease.held
+        return
+    with raw.lease(unique(), ttl=3) as lease:
+        raw.use_a_pooled_connection()  # the pool has one connection, and it is free
+        assert lease.held
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"ttl": 0}, ValueError),
+        ({"ttl": math.nan}, ValueError),
+        ({"ttl": 30, "renew_every": 30}, ValueError),
+        ({"timeout": -1}, ValueError),
+        ({"connect": "dsn"}, TypeError),
+        ({"cancel_on_loss": True}, UnsupportedFeature),
+    ],
+)
+def test_bad_options_are_refused_before_any_sql(
+    raw: RawBind, lease_db: LeaseDatabase, options: dict[str, Any], error: type
+) -> None:
+    name = unique()
+    with pytest.raises(error):
+        raw.lease(name, **options)
+    assert lease_db.row(name) is None
+
+
+def test_a_single_connection_without_connect_is_refused_before_any_sql(raw: RawBind) -> None:
+    connection = raw.connect()
+    try:
+        with pytest.raises(UnsupportedFeature, match="connect="):
+            lease_lock(connection, unique())
+    finally:
+        connection.close()
+
+
+def test_a_missing_table_is_an_error_that_says_how_to_create_it(
+    raw: RawBind, lease_db: LeaseDatabase, tmp_path: Any
+) -> None:
+    url = missing_table_url(lease_db, tmp_path)
+    if lease_db.kind == "sqlite":
+        sqlite3.connect(make_url(url).database).close()  # an empty database file
+    empty = RawBind(raw.kind, make_url(url)).open()
+    try:
+        with pytest.raises(LeaseTableMissing) as raised:
+            empty.lease(unique(), timeout=0).acquire()
+        assert "advisory_locks_lease" in str(raised.value)
+        assert "create_lease_table(engine)" in str(raised.value)
+        assert "migrate" in str(raised.value)
+    finally:
+        empty.close()
+        drop_missing_table_database(lease_db, make_url(url))
+
+
+def test_a_raw_lease_reports_its_grant_refusal_and_release_with_its_token(
+    raw: RawBind, lease_db: LeaseDatabase, lock_events: EventRecorder
+) -> None:
+    name = unique()
+    with raw.lease(name, ttl=10) as lease:
+        assert not raw.lease(name, timeout=0).acquire()
+    acquired, refused, released = lock_events.about(name)
+    assert (acquired.kind, refused.kind, released.kind) == ("acquired", "not_acquired", "released")
+    for event in (acquired, released):
+        assert (event.scope, event.token, event.system) == ("lease", lease.token, lease_db.kind)
+        assert event.binding == raw.kind.partition("-")[0]
+    assert refused.reason == "busy"
