@@ -1,0 +1,108 @@
+"""The library's own Python per acquire(timeout) + release, with the driver stubbed.
+
+``python -m benchmarks.python_path [--profile CASE]``: every case first runs for real
+(so each connection's one-time server check is done), then the executors that send the
+lock statements are replaced by a stub that answers at once ("granted", "released"),
+and what is left is timed in this thread's CPU time: building the lock, its rules as
+steps, the binding's borrow and give-back, the pool where there is one. That is the part
+of ``cpu x twin`` the library can cut; the driver's own work is the twin's too.
+``--profile CASE`` adds a cProfile of the stubbed path (CPU clock) for one case.
+
+Not a test and not part of ``benchmarks.run``: it patches private executor classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from advisory_locks import advisory_lock
+from advisory_locks._bindings import _raw
+from advisory_locks._core import executors
+from advisory_locks._core.steps import VALUE, Statement
+from benchmarks.postgres import database_url, raw_connection
+
+TIMEOUT_SECONDS = 5
+
+
+def _stub(self: object, statement: Statement) -> object:
+    return True if statement.kind == VALUE else None
+
+
+def _cases(stack: ExitStack) -> dict[str, Callable[[], None]]:
+    url = database_url()
+    engine = create_engine(url)
+    stack.callback(engine.dispose)
+    connection = engine.connect()
+    stack.callback(connection.close)
+    session = Session(engine)
+    stack.callback(session.close)
+    raw = raw_connection(url, stack)
+
+    def case(bind: Any, name: str) -> Callable[[], None]:
+        def operation() -> None:
+            with advisory_lock(bind, name, timeout=TIMEOUT_SECONDS):
+                pass
+
+        return operation
+
+    return {
+        "psycopg": case(raw, "bench.python_path.psycopg"),
+        "connection": case(connection, "bench.python_path.connection"),
+        "engine": case(engine, "bench.python_path.engine"),
+        "session": case(session, "bench.python_path.session"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.python_path")
+    parser.add_argument("--blocks", type=int, default=40, help="blocks of 100 operations")
+    parser.add_argument("--profile", metavar="CASE", help="also profile this case")
+    arguments = parser.parse_args(argv)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {(os.cpu_count() or 1) - 1})
+    with ExitStack() as stack:
+        cases = _cases(stack)
+        for operation in cases.values():
+            for _ in range(50):
+                operation()  # for real: pools filled, servers checked
+        real = (executors.DBAPIExecutor.execute, _raw.RaisingExecutor.execute)
+        executors.DBAPIExecutor.execute = _stub  # type: ignore[method-assign]
+        _raw.RaisingExecutor.execute = _stub  # type: ignore[method-assign]
+        try:
+            for name, operation in cases.items():
+                for _ in range(300):
+                    operation()
+                blocks = []
+                for _ in range(arguments.blocks):
+                    started = time.thread_time_ns()
+                    for _ in range(100):
+                        operation()
+                    blocks.append((time.thread_time_ns() - started) / 100_000)
+                print(f"{name:12} {statistics.median(blocks):6.1f} us per acquire + release")
+            if arguments.profile:
+                operation = cases[arguments.profile]
+                profile = cProfile.Profile(time.thread_time)
+                profile.enable()
+                for _ in range(5000):
+                    operation()
+                profile.disable()
+                pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(40)
+        finally:
+            executors.DBAPIExecutor.execute, _raw.RaisingExecutor.execute = real  # type: ignore[method-assign]
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
