@@ -245,9 +245,8 @@ class LeaseHolding:
             if self.loss is not None:
                 return False
             self.loss = loss
-        self.lost.set()
-        if self.on_lost is not None:
-            self.on_lost(loss)
+        # Reported first, so that whoever sees ``lost`` set finds the loss in every
+        # listener's record too (metrics, signals) already.
         if isinstance(loss, LockStolen):
             self.report("released", reason="stolen")
             self.report("stolen", error=loss)
@@ -255,6 +254,9 @@ class LeaseHolding:
             reason = "expired" if self.overdue() else "not_held"
             self.report("released", reason="lost")
             self.report("lost", reason=reason, error=loss)
+        self.lost.set()
+        if self.on_lost is not None:
+            self.on_lost(loss)
         return True
 
     def report(
