@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -83,6 +84,11 @@ class Renewer:
         self._sites: dict[int, _Site] = {}
         self._retired: list[_Site] = []
         self._thread: threading.Thread | None = None
+        # When the waiting thread will wake up by itself (-inf: it is awake and will look
+        # at every holding before it waits again). A new holding due no earlier needs no
+        # notify: waking the thread for each of 10,000 acquires made each one cost a
+        # pass over every held lease.
+        self._wake_at = -math.inf
 
     def hold(self, holding: LeaseHolding) -> None:
         with self._wake:
@@ -95,7 +101,8 @@ class Renewer:
                     target=self._run, name="advisory-locks-renewer", daemon=True
                 )
                 self._thread.start()
-            self._wake.notify()
+            if site.fresh or min(holding.next_due, holding.deadline) < self._wake_at:
+                self._wake.notify()
 
     def forget(self, holding: LeaseHolding) -> None:
         with self._wake:
@@ -103,9 +110,13 @@ class Renewer:
             if site is not None:
                 site.holdings.discard(holding)
                 if not site.holdings:
+                    del self._sites[id(holding.site)]
+                    if site.connection is None and self._wake_at != -math.inf:
+                        # No connection to close, and the thread is waiting, so it is
+                        # not opening one either: nothing to wake it for.
+                        return
                     # The renewer thread may be using the connection right now: it
                     # closes it itself.
-                    del self._sites[id(holding.site)]
                     self._retired.append(site)
                     self._wake.notify()
 
@@ -160,15 +171,17 @@ class Renewer:
         with self._wake:
             while True:
                 if self._retired or any(s.fresh and s.holdings for s in self._sites.values()):
-                    return
+                    break
                 wake_at = next_wake(self._sites.values())
                 if wake_at is not None:
                     delay = wake_at - time.monotonic()
                     if delay <= 0:
-                        return
+                        break
                 else:
-                    delay = IDLE_WAIT
+                    wake_at, delay = math.inf, IDLE_WAIT
+                self._wake_at = wake_at
                 self._wake.wait(delay)
+            self._wake_at = -math.inf
 
     def _due_sites(self) -> list[_Site]:
         with self._wake:
@@ -211,6 +224,7 @@ class Renewer:
         self._sites = {}
         self._retired = []
         self._thread = None
+        self._wake_at = -math.inf
 
 
 def due_batches(
