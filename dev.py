@@ -10,6 +10,7 @@
     python3 dev.py demo [args...]          install .[demo], run example_project's checkout race
     python3 dev.py docs [args...]          install .[docs], build the docs strictly into site/
     python3 dev.py bench [args...]         install .[benchmark], run python -m benchmarks.run
+    python3 dev.py bench leases [args...]  the same for the lease benchmarks (benchmarks.leases)
 
 The virtualenv lives in .venv. Each set of extras is reinstalled when pyproject.toml is
 newer than the stamp file its last install left behind; an existing .venv is never
@@ -202,6 +203,8 @@ def docs(mkdocs_args: list[str]) -> int:
 
 def bench(bench_args: list[str]) -> int:
     ensure_installed("benchmark")
+    if bench_args[:1] == ["leases"]:
+        return run(PYTHON, "-m", "benchmarks.leases", *bench_args[1:])
     return run(PYTHON, "-m", "benchmarks.run", *bench_args)
 
 
