@@ -467,7 +467,8 @@ def prune_leases(bind: object, *, older_than: float | datetime.timedelta) -> int
     site = make_site(bind)
     if getattr(site, "asynchronous", False):
         raise UnsupportedFeature(
-            "prune_leases() is blocking: pass the sync Engine (async_engine.sync_engine) "
-            "or a blocking pool"
+            "prune_leases() is blocking: pass a blocking bind on the same database (an "
+            "Engine made by create_engine() with a blocking driver, or a blocking pool); "
+            "an async engine's sync_engine cannot run outside its event loop"
         )
     return prune(site, seconds)

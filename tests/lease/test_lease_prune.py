@@ -123,6 +123,14 @@ def test_a_bad_age_is_refused_before_any_sql(
     engine.dispose()
 
 
+def test_prune_refuses_an_async_engine_before_any_sql(postgres_url: Any) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(postgres_url.set(drivername="postgresql+psycopg"))
+    with pytest.raises(advisory_locks.UnsupportedFeature, match="blocking bind"):
+        prune_leases(engine, older_than=0)
+
+
 def test_prune_without_the_table_says_how_to_create_it(tmp_path: Any) -> None:
     engine = create_engine(f"sqlite:///{tmp_path / 'empty.sqlite'}")
     with pytest.raises(LeaseTableMissing, match="create_lease_table"):
