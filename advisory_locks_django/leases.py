@@ -51,6 +51,14 @@ logger = logging.getLogger("advisory_locks_django")
 
 STATE_ATTRIBUTE: Final = "_advisory_locks_lease_state"
 
+# Django's lease waits block a thread (its statements run on Django's sync connections):
+# awaited from async code, such a wait would hold Django's one sync thread.
+_NOT_ASYNC: Final = (
+    "advisory_locks_django.lease_lock() is for sync code: take the lease in a sync "
+    "function run with sync_to_async(..., thread_sensitive=False), or, in async code, use "
+    "advisory_locks.lease_lock() on an async bind (an AsyncEngine, an asyncpg pool)"
+)
+
 
 def lease_lock(
     name: str | Callable[..., str],
@@ -198,6 +206,12 @@ class DjangoLeaseLock:
         """Raise ``LockStolen`` / ``LockLost`` unless the lease is still ours (one query)."""
         self._core().ensure_held()
 
+    async def __aenter__(self) -> DjangoLeaseLock:
+        raise UnsupportedFeature(_NOT_ASYNC)
+
+    async def __aexit__(self, *exc_info: object) -> None:  # pragma: no cover - never entered
+        return None
+
     def fence(self) -> None:
         """Inside the caller's ``atomic()`` on ``using``, prove the lease is still ours and
         keep any other holder from taking it over until that transaction ends.
@@ -228,10 +242,7 @@ class DjangoLeaseLock:
     def __call__(self, function: F) -> F:
         """Decorate ``function``: each call runs under its own lease."""
         if inspect.iscoroutinefunction(function):
-            raise UnsupportedFeature(
-                "lease_lock() does not decorate async functions yet; take the lease in "
-                "sync code (sync_to_async) instead"
-            )
+            raise UnsupportedFeature(_NOT_ASYNC)
         name_for = _name_factory(self._name, function)
         skip = self.skip_if_locked
 

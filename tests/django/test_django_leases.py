@@ -238,6 +238,16 @@ class TestOnPostgreSQL:
         assert released["reason"] == "stolen"
         assert (lost["reason"], type(lost["error"])) == ("stolen", LockStolen)
 
+    async def test_async_code_is_told_what_to_use_instead(self) -> None:
+        with pytest.raises(UnsupportedFeature, match="sync_to_async"):
+            async with lease_lock(unique_name("lease"), key_prefix=""):
+                pass
+        with pytest.raises(UnsupportedFeature, match="async bind"):
+
+            @lease_lock("job", key_prefix="")
+            async def job() -> None:
+                pass
+
     def test_decorator_formats_the_name_and_skips_when_held(self) -> None:
         calls: list[int] = []
 
