@@ -508,18 +508,9 @@ class ConnectionBorrow(_SettledAtOnce):
         self.connection = connection
         self.state = connection_state(info, backend)
         pooler = _declared_pooler(connection.get_execution_options())
-        if not server_checked(self.state, pooler):
-            run_steps(
-                check_server(
-                    self.state,
-                    self.executor,
-                    fairy.driver_connection,
-                    pooler=pooler,
-                    session_lock=not transaction,
-                    declare_pooler=DECLARE_POOLER,
-                    transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
-                )
-            )
+        _check_server_once(
+            self.state, self.executor, fairy.driver_connection, pooler, session_lock=not transaction
+        )
         self.in_transaction = transaction or _inside_transaction(fairy, connection)
         if self.state.pending_release and not connection.in_transaction():
             # A failed transaction postponed these unlocks and has ended since.
@@ -606,6 +597,30 @@ class _AutocommitExecutor:
         return result
 
 
+def _check_server_once(
+    state: ConnectionState,
+    executor: Any,
+    driver_connection: Any,
+    pooler: object,
+    *,
+    session_lock: bool,
+) -> None:
+    """``check_server`` for a lock's connection, unless ``server_checked`` says it would
+    send nothing and refuse nothing (every lock after a connection's first)."""
+    if not server_checked(state, pooler):
+        run_steps(
+            check_server(
+                state,
+                executor,
+                driver_connection,
+                pooler=pooler,
+                session_lock=session_lock,
+                declare_pooler=DECLARE_POOLER,
+                transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
+            )
+        )
+
+
 class PooledBorrow(_SettledAtOnce):
     """A connection checked out of an engine's pool for locks only.
 
@@ -647,18 +662,9 @@ class PooledBorrow(_SettledAtOnce):
                     fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
                 self.executor = executor_for(fairy, fairy.info)
             pooler = _declared_pooler(engine.get_execution_options())
-            if not server_checked(self.state, pooler):
-                run_steps(
-                    check_server(
-                        self.state,
-                        self.executor,
-                        fairy.driver_connection,
-                        pooler=pooler,
-                        session_lock=True,
-                        declare_pooler=DECLARE_POOLER,
-                        transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
-                    )
-                )
+            _check_server_once(
+                self.state, self.executor, fairy.driver_connection, pooler, session_lock=True
+            )
         except BaseException as error:
             if isinstance(error, Exception) and (
                 backend.is_connection_failure(error) or self.is_disconnect(error)
@@ -1003,18 +1009,9 @@ class PinnedBorrow(_SettledAtOnce):
             return  # a forked child's copy: nothing may be sent (the lock refuses it)
         try:
             pooler = _declared_pooler(pin.connection.get_execution_options())
-            if not server_checked(self.state, pooler):
-                run_steps(
-                    check_server(
-                        self.state,
-                        self.executor,
-                        fairy.driver_connection,
-                        pooler=pooler,
-                        session_lock=True,
-                        declare_pooler=DECLARE_POOLER,
-                        transaction_pooler_declared=TRANSACTION_POOLER_DECLARED,
-                    )
-                )
+            _check_server_once(
+                self.state, self.executor, fairy.driver_connection, pooler, session_lock=True
+            )
         except Exception as error:
             if not (pin.backend.is_connection_failure(error) or self.is_disconnect(error)):
                 raise
