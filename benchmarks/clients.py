@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from advisory_locks.keys import derive_key
 from advisory_locks.sqlalchemy import advisory_lock
 from benchmarks.postgres import raw_connection
+from benchmarks.uncontended import TIMEOUT_LOCK_SQL, UNLOCK_SQL
 
 __all__ = ["CLIENTS", "Client", "Take", "make_client", "setup_django"]
 
@@ -106,15 +107,11 @@ def make_client(
     key = derive_key(name).ints[0]
     if kind in ("raw", "raw.timeout"):
         cursor = raw_connection(url, stack).cursor()
-        sql = (
-            "SELECT pg_advisory_lock(%s)"
-            if kind == "raw"
-            else "SELECT pg_advisory_lock(%s) FROM (SELECT set_config('lock_timeout', %s, true)) t"
-        )
+        sql = "SELECT pg_advisory_lock(%s)" if kind == "raw" else TIMEOUT_LOCK_SQL
         params: tuple[object, ...] = (key,) if kind == "raw" else (key, str(WAIT_SECONDS * 1000))
 
         def release_raw() -> None:
-            cursor.execute("SELECT pg_advisory_unlock(%s)", (key,))
+            cursor.execute(UNLOCK_SQL, (key,))
 
         def take_raw() -> Callable[[], None]:
             cursor.execute(sql, params)

@@ -19,13 +19,21 @@ from advisory_locks.sqlalchemy import advisory_lock
 from benchmarks.measure import Case, Stopwatch
 from benchmarks.postgres import TrackedEngine, raw_connection
 
-__all__ = ["FLOOR", "uncontended_cases"]
+__all__ = ["FLOOR", "TIMEOUT_LOCK_SQL", "UNLOCK_SQL", "uncontended_cases"]
 
 FLOOR = "raw.try_lock+unlock"
 # Keys for raw cases; far from anything the library's sha256 names produce by chance.
 RAW_KEY_BASE = 7_246_000
 
 TIMEOUT_SECONDS = 5
+# The two statements our PostgreSQL backend sends for acquire(timeout) + release outside a
+# transaction, word for word, so that the twin and the bind floors ask the server for
+# exactly what the library does.
+TIMEOUT_LOCK_SQL = (
+    "SELECT pg_advisory_lock(%s) FROM (SELECT pg_catalog.set_config('lock_timeout', %s, true)) "
+    "AS timeout"
+)
+UNLOCK_SQL = "SELECT pg_advisory_unlock(%s)"
 
 
 def _timed(body: Callable[[], object]) -> Callable[[Stopwatch], None]:
@@ -96,12 +104,9 @@ def raw_cases(url: URL, stack: ExitStack) -> list[Case]:
     def timeout_lock_unlock(cursor: psycopg.Cursor[TupleRow], key: int) -> None:
         # One statement, one implicit transaction: set_config(..., true) is scoped to it,
         # and the statement is prepared after a few runs like the floor's.
-        cursor.execute(
-            "SELECT pg_advisory_lock(%s) FROM (SELECT set_config('lock_timeout', %s, true)) t",
-            (key, str(TIMEOUT_SECONDS * 1000)),
-        )
+        cursor.execute(TIMEOUT_LOCK_SQL, (key, str(TIMEOUT_SECONDS * 1000)))
         cursor.fetchone()
-        cursor.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        cursor.execute(UNLOCK_SQL, (key,))
         cursor.fetchone()
 
     add(
