@@ -1,8 +1,9 @@
 """Uncontended cases through Django and through the peers (django-pglock, pals).
 
 Django keeps one connection per thread and alias; every case here runs on the main
-thread's ``default`` connection (in autocommit, Django's default), so the Django floor is
-the same two statements through Django's own cursor.
+thread's ``default`` connection (in autocommit, Django's default). Two references run on
+it: the raw floor's statements through Django's own cursor, and ``floor.django.timeout``
+(benchmarks.floors), the least any library must do there for acquire(timeout) + release.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Any
 from sqlalchemy.engine import URL
 
 from benchmarks.clients import PALS_APP, setup_django
+from benchmarks.floors import django_floor
 from benchmarks.measure import Case, Stopwatch
-from benchmarks.uncontended import RAW_KEY_BASE, TIMEOUT_SECONDS
+from benchmarks.uncontended import RAW_KEY_BASE, TIMEOUT_SECONDS, TWIN
 
 __all__ = ["django_cases", "pals_cases"]
 
@@ -38,13 +40,30 @@ def django_cases(url: URL, stack: ExitStack) -> list[Case]:
     connection.ensure_connection()
     cases = []
 
-    def add(name: str, description: str, body: Any, twin: str | None, group: str) -> None:
+    def add(
+        name: str,
+        description: str,
+        body: Any,
+        twin: str | None,
+        group: str,
+        bind_floor: str | None = None,
+    ) -> None:
         def operation(watch: Stopwatch) -> None:
             watch.start()
             body()
             watch.stop()
 
-        cases.append(Case(name, group, description, operation, twin=twin, sockets=_django_socket))
+        cases.append(
+            Case(
+                name,
+                group,
+                description,
+                operation,
+                twin=twin,
+                bind_floor=bind_floor,
+                sockets=_django_socket,
+            )
+        )
 
     def raw_django() -> None:
         with connection.cursor() as cursor:
@@ -71,12 +90,15 @@ def django_cases(url: URL, stack: ExitStack) -> list[Case]:
         return body
 
     add("ours.django", "advisory_lock(name) (Django)", ours(None), "raw.lock+unlock", "django")
+    floor = django_floor(_django_socket)
+    cases.append(floor)
     add(
         "ours.django.timeout",
         f"advisory_lock(name, timeout={TIMEOUT_SECONDS}) (Django)",
         ours(TIMEOUT_SECONDS),
-        "raw.timeout_lock+unlock",
+        TWIN,
         "django",
+        floor.name,
     )
 
     def xact_case(name: str, description: str, lock: Any) -> None:
@@ -129,7 +151,7 @@ def django_cases(url: URL, stack: ExitStack) -> list[Case]:
         "pglock.timeout",
         f"django-pglock: pglock.advisory(name, timeout={TIMEOUT_SECONDS})",
         pglock_body(TIMEOUT_SECONDS),
-        "raw.timeout_lock+unlock",
+        TWIN,
         "peers",
     )
 
@@ -165,7 +187,7 @@ def pals_cases(url: URL, stack: ExitStack) -> list[Case]:
             "peers",
             f"pals: Locker.lock(name, acquire_timeout={TIMEOUT_SECONDS * 1000}) on an Engine",
             operation,
-            twin="raw.timeout_lock+unlock",
+            twin=TWIN,
             sockets=tracked.sockets,
         )
     ]

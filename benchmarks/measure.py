@@ -69,6 +69,9 @@ class Case:
     operation: Callable[[Stopwatch], None]
     # The raw-driver case this one should match, for a like-for-like ratio.
     twin: str | None = None
+    # The floor of this case's bind (a ``floor.*`` case): the least any library must do
+    # on that bind for the same operation, so that ours / floor is what the library adds.
+    bind_floor: str | None = None
     # Untimed hooks around each round (e.g. taking an outer lock for a re-entrancy case).
     before_round: Callable[[], None] = _nothing
     after_round: Callable[[], None] = _nothing

@@ -51,6 +51,11 @@ class UncontendedResult:
     # alternate blocks with it: the figure the performance targets are set on.
     cpu_ratio_to_twin: float | None
     round_trips: float | None
+    # The floor of this case's bind (floor.*), and this case against it the same ways as
+    # against its twin: what the library adds over the least any library must do there.
+    bind_floor: str | None = None
+    ratio_to_bind_floor: float | None = None
+    cpu_ratio_to_bind_floor: float | None = None
 
 
 @dataclass
@@ -91,6 +96,18 @@ def _cpu_round_ratios(case: CaseSamples, other: CaseSamples) -> list[float]:
     ]
 
 
+def _paired(
+    case: CaseSamples, samples: dict[str, CaseSamples], other: str | None
+) -> tuple[float | None, float | None]:
+    """Median over rounds of (case / other) in wall and in CPU time; None without other."""
+    if other is None or other not in samples:
+        return None, None
+    return (
+        statistics.median(_round_ratios(case, samples[other])),
+        statistics.median(_cpu_round_ratios(case, samples[other])),
+    )
+
+
 def uncontended_results(
     samples: dict[str, CaseSamples], floor: str, round_trips: dict[str, float | None]
 ) -> list[UncontendedResult]:
@@ -99,6 +116,9 @@ def uncontended_results(
         everything = case_samples.all
         to_floor = _round_ratios(case_samples, samples[floor])
         twin = case_samples.case.twin
+        bind_floor = case_samples.case.bind_floor
+        to_twin, cpu_to_twin = _paired(case_samples, samples, twin)
+        to_bind_floor, cpu_to_bind_floor = _paired(case_samples, samples, bind_floor)
         results.append(
             UncontendedResult(
                 name=name,
@@ -110,23 +130,18 @@ def uncontended_results(
                 p90_us=percentile(everything, 0.9) / 1000,
                 p99_us=percentile(everything, 0.99) / 1000,
                 ratio_to_floor=statistics.median(to_floor),
-                ratio_to_twin=(
-                    statistics.median(_round_ratios(case_samples, samples[twin]))
-                    if twin in samples
-                    else None
-                ),
+                ratio_to_twin=to_twin,
                 round_ratios_to_floor=to_floor,
                 cpu_median_us=statistics.median(case_samples.all_cpu) / 1000,
                 cpu_ratio_to_floor=(
                     statistics.median(case_samples.all_cpu)
                     / statistics.median(samples[floor].all_cpu)
                 ),
-                cpu_ratio_to_twin=(
-                    statistics.median(_cpu_round_ratios(case_samples, samples[twin]))
-                    if twin in samples
-                    else None
-                ),
+                cpu_ratio_to_twin=cpu_to_twin,
                 round_trips=round_trips.get(name),
+                bind_floor=bind_floor,
+                ratio_to_bind_floor=to_bind_floor,
+                cpu_ratio_to_bind_floor=cpu_to_bind_floor,
             )
         )
     return results
@@ -170,19 +185,28 @@ def write_table(report: Report, stream: TextIO) -> None:
     if report.uncontended:
         print(file=stream)
         print(f"Uncontended acquire + release (floor: {report.floor})", file=stream)
+        print(
+            "x floor: against the floor; x twin: against the raw twin (a floor.* row's is "
+            "what its bind costs); x bind: against the floor of the case's bind (what the "
+            "library adds)",
+            file=stream,
+        )
         header = (
-            f"{'case':38} {'median us':>10} {'p90 us':>9} {'x floor':>8} "
-            f"{'x twin':>7} {'cpu us':>7} {'cpu x fl':>8} {'cpu x tw':>8} {'trips':>6}  twin"
+            f"{'case':38} {'median us':>10} {'p90 us':>9} {'x floor':>8} {'x twin':>7} "
+            f"{'x bind':>7} {'cpu us':>7} {'cpu x fl':>8} {'cpu x tw':>8} {'cpu x bd':>8} "
+            f"{'trips':>6}  twin / bind floor"
         )
         print(header, file=stream)
         print("-" * len(header), file=stream)
         for row in report.uncontended:
+            pairs = " / ".join(name for name in (row.twin, row.bind_floor) if name)
             print(
                 f"{row.name:38} {row.median_us:10.1f} {row.p90_us:9.1f} "
                 f"{_ratio(row.ratio_to_floor):>8} {_ratio(row.ratio_to_twin):>7} "
+                f"{_ratio(row.ratio_to_bind_floor):>7} "
                 f"{row.cpu_median_us:7.1f} {_ratio(row.cpu_ratio_to_floor):>8} "
-                f"{_ratio(row.cpu_ratio_to_twin):>8} "
-                f"{_trips(row.round_trips):>6}  {row.twin or ''}",
+                f"{_ratio(row.cpu_ratio_to_twin):>8} {_ratio(row.cpu_ratio_to_bind_floor):>8} "
+                f"{_trips(row.round_trips):>6}  {pairs}",
                 file=stream,
             )
     if report.handoff:

@@ -229,8 +229,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         metavar="NAME",
         help="run only this group (uncontended, handoff, throughput, scale) or cases "
-        "matching this glob (e.g. 'ours.engine*'); repeatable. The references a ratio "
-        "needs always run.",
+        "matching this glob (e.g. 'ours.engine*', 'floor.*'); repeatable. The references "
+        "a ratio needs (the raw floor, twins, bind floors) always run.",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
@@ -263,8 +263,10 @@ def _select_cases(cases: list[Case], patterns: list[str] | None) -> list[Case]:
     chosen = {case.name for case in cases if _runs(patterns, "uncontended", case.name)}
     if not chosen:
         return []
-    # Ratios need the floor and each chosen case's raw twin.
+    # Ratios need the floor, each chosen case's bind floor, and the raw twin of each
+    # (a bind floor's too).
     chosen |= {FLOOR, "raw.select1"}
+    chosen |= {case.bind_floor for case in cases if case.name in chosen and case.bind_floor}
     chosen |= {case.twin for case in cases if case.name in chosen and case.twin}
     return [case for case in cases if case.name in chosen]
 

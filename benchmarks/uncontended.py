@@ -19,9 +19,11 @@ from advisory_locks.sqlalchemy import advisory_lock
 from benchmarks.measure import Case, Stopwatch
 from benchmarks.postgres import TrackedEngine, raw_connection
 
-__all__ = ["FLOOR", "TIMEOUT_LOCK_SQL", "UNLOCK_SQL", "uncontended_cases"]
+__all__ = ["FLOOR", "TIMEOUT_LOCK_SQL", "TWIN", "UNLOCK_SQL", "uncontended_cases"]
 
 FLOOR = "raw.try_lock+unlock"
+# The raw twin of every acquire(timeout) + release outside a transaction.
+TWIN = "raw.timeout_lock+unlock"
 # Keys for raw cases; far from anything the library's sha256 names produce by chance.
 RAW_KEY_BASE = 7_246_000
 
@@ -116,7 +118,7 @@ def raw_cases(url: URL, stack: ExitStack) -> list[Case]:
     )
     add("raw.lock+unlock", "pg_advisory_lock (waits forever) + pg_advisory_unlock", lock_unlock)
     add(
-        "raw.timeout_lock+unlock",
+        TWIN,
         f"pg_advisory_lock with lock_timeout={TIMEOUT_SECONDS} s set in the same statement "
         "+ pg_advisory_unlock",
         timeout_lock_unlock,
@@ -176,9 +178,15 @@ def raw_cases(url: URL, stack: ExitStack) -> list[Case]:
 
 
 def library_cases(url: URL, stack: ExitStack) -> list[Case]:
+    # Each bind's floor (benchmarks.floors, which builds on this module's statements) runs
+    # right before the library case on that bind.
+    from benchmarks import floors
+
     cases = []
 
-    def engine_case(name: str, timeout: float | None, twin: str) -> None:
+    def engine_case(
+        name: str, timeout: float | None, twin: str, bind_floor: str | None = None
+    ) -> None:
         tracked = TrackedEngine(url, stack)
         engine = tracked.engine
 
@@ -194,12 +202,18 @@ def library_cases(url: URL, stack: ExitStack) -> list[Case]:
                 "+ checkin",
                 _timed(body),
                 twin=twin,
+                bind_floor=bind_floor,
                 sockets=tracked.sockets,
             )
         )
 
     engine_case("ours.engine", None, "raw.lock+unlock")
-    engine_case("ours.engine.timeout", TIMEOUT_SECONDS, "raw.timeout_lock+unlock")
+    engine_floor = floors.engine_floor(url, stack)
+    cases.append(engine_floor)
+    engine_case("ours.engine.timeout", TIMEOUT_SECONDS, TWIN, engine_floor.name)
+
+    session_floor = floors.session_floor(url, stack)
+    cases.append(session_floor)
 
     tracked = TrackedEngine(url, stack)
     session = Session(tracked.engine)
@@ -216,11 +230,14 @@ def library_cases(url: URL, stack: ExitStack) -> list[Case]:
             "advisory_lock(session, timeout=5): the Session checks a lock connection out and "
             "returns it after its last lock",
             _timed(session_lock),
-            twin="raw.timeout_lock+unlock",
+            twin=TWIN,
+            bind_floor=session_floor.name,
             sockets=tracked.sockets,
         )
     )
 
+    connection_floor = floors.connection_floor(url, stack)
+    cases.append(connection_floor)
     tracked = TrackedEngine(url, stack)
     connection = tracked.engine.connect()
     stack.callback(connection.close)
@@ -235,7 +252,8 @@ def library_cases(url: URL, stack: ExitStack) -> list[Case]:
             "sqlalchemy",
             "advisory_lock(connection, timeout=5) on a Connection outside a transaction",
             _timed(connection_lock),
-            twin="raw.timeout_lock+unlock",
+            twin=TWIN,
+            bind_floor=connection_floor.name,
             sockets=tracked.sockets,
         )
     )
