@@ -33,6 +33,10 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _code(name: str | None) -> str:
+    return f"`{name}`" if name else ""
+
+
 def _trips(value: float | None) -> str:
     return "?" if value is None else f"{value:.1f}".removesuffix(".0")
 
@@ -59,18 +63,25 @@ def render(report: Report, arguments: list[str]) -> str:
         lines += [
             "**Uncontended acquire + release.** `cpu x twin` is the client's CPU time per "
             "operation against its raw twin doing the same server work (timed in alternate "
-            "blocks with it); round trips are counted by the kernel.",
+            "blocks with it); round trips are counted by the kernel. A `floor.*` row is its "
+            "bind's floor: the least any library must do on that bind (pool checkout and "
+            "checkin, the switch to autocommit and back, finding Django's connection), "
+            "written by hand against SQLAlchemy, Django and psycopg with the twin's two "
+            "statements. Its `cpu x twin` is what the bind itself costs, which no library "
+            "on that bind can go below; `cpu x bind floor` of a library case is what the "
+            "library adds on top.",
             "",
-            "| case | median µs | p90 µs | cpu µs | cpu x twin | wall x twin | round trips "
-            "| twin |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            "| case | median µs | p90 µs | cpu µs | cpu x twin | cpu x bind floor "
+            "| wall x twin | round trips | twin | bind floor |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
         ]
         for row in report.uncontended:
             lines.append(
                 f"| `{row.name}` | {row.median_us:.1f} | {row.p90_us:.1f} | "
                 f"{row.cpu_median_us:.1f} | {_ratio(row.cpu_ratio_to_twin)} | "
+                f"{_ratio(row.cpu_ratio_to_bind_floor)} | "
                 f"{_ratio(row.ratio_to_twin)} | {_trips(row.round_trips)} | "
-                f"{'`' + row.twin + '`' if row.twin else ''} |"
+                f"{_code(row.twin)} | {_code(row.bind_floor)} |"
             )
         lines.append("")
     if report.handoff:
