@@ -239,11 +239,15 @@ def _parser() -> argparse.ArgumentParser:
 def _shown(argv: list[str]) -> list[str]:
     """The arguments that change what is measured (not where the output goes)."""
     shown, skip = [], False
-    for argument in argv:
+    for position, argument in enumerate(argv):
         if skip:
             skip = False
         elif argument in ("--json", "--chart"):
             skip = True
+        elif argument == "--docs":
+            # --docs takes an optional path: the next argument, unless it is an option.
+            following = argv[position + 1 : position + 2]
+            skip = bool(following) and not following[0].startswith("-")
         elif not argument.startswith(("--json=", "--chart=", "--docs", "--quiet")):
             shown.append(argument)
     return shown
