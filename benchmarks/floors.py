@@ -169,7 +169,14 @@ def session_floor(url: URL, stack: ExitStack) -> Case:
 
 
 def django_floor(sockets: Any) -> Case:
-    """On Django's default connection (configured by the caller), in autocommit."""
+    """On Django's default connection (configured by the caller), in autocommit.
+
+    Django opens its psycopg connections with ``prepare_threshold=None`` unless OPTIONS
+    say otherwise (prepared statements break behind transaction poolers), so unlike the
+    twin's, these statements are parsed and planned by the server every time, and the
+    client builds a Parse message for each: part of what this bind costs, in wall time
+    above all, which a library that leaves Django's configuration alone cannot avoid.
+    """
     from django.db import DEFAULT_DB_ALIAS, connections
 
     key = FLOOR_KEY_BASE + 3
