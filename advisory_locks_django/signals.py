@@ -21,8 +21,12 @@ pool, with the lock held: the app unlocked it first), ``"request_finished"`` (ta
 request and still held at its end) or ``"lost"``.
 
 A re-entrant acquire on a connection that already holds the lock sends nothing: the
-signals follow what the server does. Receivers run through ``send_robust``: an exception
-in one is logged and can neither leak a lock nor break the transaction it fired in.
+signals follow what the server does. While no receiver is connected to any of the three
+lock signals, the lock events are not forwarded (nor built: locks then read no clock), so
+a lock granted in that time sends no ``lock_released`` later either: receivers that count
+held locks never see a release without its grant. Receivers run through
+``send_robust``: an exception in one is logged and can neither leak a lock nor break the
+transaction it fired in.
 
 The signals are the core's lock events (``advisory_locks.events``) of this app's locks,
 forwarded: a listener subscribed there sees the same, for every binding.
@@ -42,6 +46,8 @@ that could not reach the database; the renewer retries). ``lease_lost`` and
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from django.dispatch import Signal
@@ -65,15 +71,77 @@ __all__ = [
 
 logger = logging.getLogger("advisory_locks_django")
 
-lock_acquired = Signal()
-lock_released = Signal()
-lock_failed = Signal()
 
-lease_acquired = Signal()
-lease_released = Signal()
-lease_failed = Signal()
-lease_lost = Signal()
-lease_renewal_failed = Signal()
+class _Forwarding:
+    """Forwards the core's lock events to a group of signals only while one of them has
+    a receiver: with no listener subscribed, the core builds no events and reads no clock
+    on a lock's hot path."""
+
+    def __init__(self) -> None:
+        self.signals: list[_ForwardedSignal] = []
+        self.listener: Callable[[LockEvent], None] | None = None
+        self._mutex = threading.Lock()
+
+    def forward_with(self, listener: Callable[[LockEvent], None]) -> None:
+        with self._mutex:
+            if self.listener is not None:
+                events.unsubscribe(self.listener)
+            self.listener = listener
+        self.update()
+
+    def update(self) -> None:
+        """Subscribe the listener when some signal of the group has a receiver (dead weak
+        receivers included: they may be alive), unsubscribe it when none has."""
+        with self._mutex:
+            if self.listener is None:
+                return
+            if any(signal.receivers for signal in self.signals):
+                events.subscribe(self.listener)  # no effect when subscribed already
+            else:
+                events.unsubscribe(self.listener)
+
+
+class _ForwardedSignal(Signal):
+    """A ``Signal`` that tells its forwarding when receivers come and go."""
+
+    def __init__(self, forwarding: _Forwarding) -> None:
+        super().__init__()
+        self._forwarding = forwarding
+        forwarding.signals.append(self)
+
+    def connect(
+        self,
+        receiver: Callable[..., Any],
+        sender: object | None = None,
+        weak: bool = True,
+        dispatch_uid: Hashable | None = None,
+    ) -> None:
+        super().connect(receiver, sender, weak, dispatch_uid)
+        self._forwarding.update()
+
+    def disconnect(
+        self,
+        receiver: Callable[..., Any] | None = None,
+        sender: object | None = None,
+        dispatch_uid: Hashable | None = None,
+    ) -> bool:
+        removed = super().disconnect(receiver, sender, dispatch_uid)
+        self._forwarding.update()
+        return removed
+
+
+_lock_forwarding = _Forwarding()
+_lease_forwarding = _Forwarding()
+
+lock_acquired: Signal = _ForwardedSignal(_lock_forwarding)
+lock_released: Signal = _ForwardedSignal(_lock_forwarding)
+lock_failed: Signal = _ForwardedSignal(_lock_forwarding)
+
+lease_acquired: Signal = _ForwardedSignal(_lease_forwarding)
+lease_released: Signal = _ForwardedSignal(_lease_forwarding)
+lease_failed: Signal = _ForwardedSignal(_lease_forwarding)
+lease_lost: Signal = _ForwardedSignal(_lease_forwarding)
+lease_renewal_failed: Signal = _ForwardedSignal(_lease_forwarding)
 
 
 def forward_lock_events(sender: type) -> None:
@@ -97,7 +165,7 @@ def forward_lock_events(sender: type) -> None:
                 error=event.error,
             )
 
-    events.subscribe(forward)
+    _lock_forwarding.forward_with(forward)
 
 
 def forward_lease_events(sender: type) -> None:
@@ -127,7 +195,7 @@ def forward_lease_events(sender: type) -> None:
         elif kind == "renewal_failed":
             send_lease(lease_renewal_failed, sender, event, error=event.error)
 
-    events.subscribe(forward)
+    _lease_forwarding.forward_with(forward)
 
 
 def send_lease(signal: Signal, sender: type, event: LockEvent, **extra: Any) -> None:

@@ -254,6 +254,30 @@ def test_a_reentrant_acquire_sends_nothing(events: list[Any]) -> None:
         assert events == []
 
 
+def test_signals_are_forwarded_from_the_first_receiver_on() -> None:
+    # With no receiver the lock events are not even built; a lock granted then sends no
+    # lock_released later, so a count of held locks kept from the signals stays right.
+    assert not any(signal.receivers for signal in (lock_acquired, lock_released, lock_failed))
+    seen: list[str] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        seen.append(kwargs["reason"])
+
+    name = unique_name()
+    granted_unheard = advisory_lock(name)
+    granted_unheard.acquire()
+    lock_released.connect(receiver)
+    try:
+        granted_unheard.release()
+        with advisory_lock(name):
+            pass
+    finally:
+        lock_released.disconnect(receiver)
+    with advisory_lock(name):
+        pass
+    assert seen == ["unlock"]
+
+
 def _failure_reason(name: str) -> tuple[str, Any]:
     seen: list[tuple[str, Any]] = []
 
