@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from django.core.signals import setting_changed
 from django.db import connections
 
 from advisory_locks._core.connection import (
@@ -105,9 +106,25 @@ _request = threading.local()
 _registries: weakref.WeakSet[DjangoConnectionLocks] = weakref.WeakSet()
 
 
+# Each alias's dialect backend, found once: an alias's database never changes its vendor
+# (Django reads DATABASES once too; overriding it in tests empties this).
+_backends: dict[str, Backend] = {}
+
+
 def backend_for_alias(alias: str) -> Backend:
     """The dialect backend for a database alias (raises UnsupportedDatabase)."""
-    return backend_for_dialect(connections[alias].vendor)
+    backend = _backends.get(alias)
+    if backend is None:
+        backend = _backends[alias] = backend_for_dialect(connections[alias].vendor)
+    return backend
+
+
+def _databases_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting == "DATABASES":
+        _backends.clear()
+
+
+setting_changed.connect(_databases_changed)
 
 
 @dataclass(eq=False)
@@ -126,6 +143,9 @@ class DjangoConnectionLocks(ConnectionState):
     request_holdings: list[Holding] = field(default_factory=list)
     # Locks this library let go of without their holder's release, and why.
     ended: dict[Holding, str] = field(default_factory=dict)
+    # The borrow every lock on this connection gets, outside and inside a transaction
+    # (they depend on nothing else, so they are made once).
+    borrows: dict[bool, DjangoBorrow] = field(default_factory=dict)
 
     def add(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding:
         holding = super().add(key, shared=shared, transaction=transaction)
@@ -146,7 +166,7 @@ class DjangoConnectionLocks(ConnectionState):
     def released(self, holding: Holding, reason: str) -> None:
         """The server no longer holds ``holding``: forget it, and report its end (once;
         ``reason`` as the ``released`` lock event says it)."""
-        if holding in self.request_holdings:
+        if self.request_holdings and holding in self.request_holdings:
             self.request_holdings.remove(holding)
         self.end(holding, reason)
 
@@ -400,8 +420,13 @@ class DjangoExecutor:
         return self._executor.state
 
     def execute(self, statement: Statement) -> object:
-        with django_errors(self.wrapper):
+        try:
             return self._executor.execute(statement)
+        except Exception:
+            # Raised again inside Django's wrapper, which turns it into its own error
+            # (it costs nothing until a statement fails).
+            with django_errors(self.wrapper):
+                raise
 
 
 class DjangoSite:
@@ -422,8 +447,54 @@ class DjangoSite:
         return self.alias
 
     def borrow(self, *, transaction: bool) -> DjangoBorrow:
-        self.last_borrow = DjangoBorrow(self, connections[self.alias], transaction=transaction)
-        return self.last_borrow
+        """The thread's connection to the alias, checked as a lock on it needs."""
+        alias = self.alias
+        wrapper = connections[alias]
+        pooler = lock_settings().poolers.get(alias)
+        if not transaction and pooler in SESSION_UNSAFE_POOLERS:
+            raise UnsupportedFeature(
+                f"database {alias!r} is behind a {pooler} pooler, where a session "
+                "lock can end up on another client's server connection; use "
+                "transaction=True"
+            )
+        if transaction and not wrapper.in_atomic_block:
+            raise UnsupportedFeature(
+                "transaction=True needs atomic(): manual transaction management "
+                "(set_autocommit(False)) gives Django no transaction end to tie the lock to"
+            )
+        own_connection(wrapper)
+        # Like a query, taking a lock in a transaction Django knows is broken is refused.
+        refuse_broken_transaction(wrapper)
+        registry = connection_locks(wrapper, self.backend)
+        # Django's autocommit is the driver's: off means the statements join a
+        # transaction (atomic(), or set_autocommit(False)) that the backend must protect.
+        # (get_autocommit() also refuses async code, as every query does.)
+        in_transaction = not wrapper.get_autocommit()
+        borrow = registry.borrows.get(in_transaction)
+        if borrow is None:
+            borrow = registry.borrows[in_transaction] = DjangoBorrow(
+                wrapper, registry, in_transaction=in_transaction
+            )
+        executor = borrow.executor
+        # Transaction poolers were refused above with Django's own wording.
+        declared = None if pooler is None else "session"
+        if not server_checked(registry, declared):
+            run_steps(
+                check_server(
+                    registry,
+                    executor,
+                    borrow.dbapi_connection,
+                    pooler=declared,
+                    session_lock=not transaction,
+                    declare_pooler=(
+                        f"ADVISORY_LOCKS['POOLERS'] = {{{alias!r}: 'pgbouncer-session'}}"
+                    ),
+                )
+            )
+        if registry.pending_release and not in_transaction:
+            release_pending(registry, executor)
+        self.last_borrow = borrow
+        return borrow
 
     def locks(self) -> DjangoConnectionLocks:
         """This thread's registry for the alias, connecting first if needed."""
@@ -443,7 +514,11 @@ class DjangoSite:
 
 
 class DjangoBorrow:
-    """The Django connection a lock runs on; never closed by the lock unless broken."""
+    """The Django connection a lock runs on; never closed by the lock unless broken.
+
+    Made once per DB-API connection (and per in/outside a transaction) by the site, which
+    checks the connection for each lock before it lends it.
+    """
 
     __slots__ = ("dbapi_connection", "executor", "in_transaction", "registry", "state", "wrapper")
 
@@ -451,51 +526,21 @@ class DjangoBorrow:
     state: DjangoConnectionLocks
 
     def __init__(
-        self, site: DjangoSite, wrapper: BaseDatabaseWrapper, *, transaction: bool
+        self,
+        wrapper: BaseDatabaseWrapper,
+        registry: DjangoConnectionLocks,
+        *,
+        in_transaction: bool,
     ) -> None:
-        pooler = lock_settings().poolers.get(site.alias)
-        if not transaction and pooler in SESSION_UNSAFE_POOLERS:
-            raise UnsupportedFeature(
-                f"database {site.alias!r} is behind a {pooler} pooler, where a session "
-                "lock can end up on another client's server connection; use "
-                "transaction=True"
-            )
-        if transaction and not wrapper.in_atomic_block:
-            raise UnsupportedFeature(
-                "transaction=True needs atomic(): manual transaction management "
-                "(set_autocommit(False)) gives Django no transaction end to tie the lock to"
-            )
-        own_connection(wrapper)
-        # Like a query, taking a lock in a transaction Django knows is broken is refused.
-        refuse_broken_transaction(wrapper)
         self.wrapper = wrapper
-        self.dbapi_connection = wrapper.connection
-        self.registry = self.state = connection_locks(wrapper, site.backend)
-        # Django's autocommit is the driver's: off means the statements join a
-        # transaction (atomic(), or set_autocommit(False)) that the backend must protect.
-        self.in_transaction = not wrapper.get_autocommit()
-        if self.registry.executor is None:
-            self.registry.executor = DjangoExecutor(
-                wrapper, self.dbapi_connection, self.registry.driver_state
+        self.dbapi_connection = registry.dbapi_connection
+        self.registry = self.state = registry
+        self.in_transaction = in_transaction
+        if registry.executor is None:
+            registry.executor = DjangoExecutor(
+                wrapper, registry.dbapi_connection, registry.driver_state
             )
-        self.executor = self.registry.executor
-        # Transaction poolers were refused above with Django's own wording.
-        declared = None if pooler is None else "session"
-        if not server_checked(self.registry, declared):
-            run_steps(
-                check_server(
-                    self.registry,
-                    self.executor,
-                    self.dbapi_connection,
-                    pooler=declared,
-                    session_lock=not transaction,
-                    declare_pooler=(
-                        f"ADVISORY_LOCKS['POOLERS'] = {{{site.alias!r}: 'pgbouncer-session'}}"
-                    ),
-                )
-            )
-        if self.registry.pending_release and not self.in_transaction:
-            release_pending(self.registry, self.registry.executor)
+        self.executor = registry.executor
 
     def done(self) -> None:
         pass
