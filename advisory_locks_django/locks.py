@@ -224,8 +224,7 @@ class DjangoAdvisoryLock:
         """
         lock = self._core()
         atomic = None
-        wrapper = connections[self.using]
-        if self.transaction and not wrapper.in_atomic_block:
+        if self.transaction and not (wrapper := connections[self.using]).in_atomic_block:
             if not wrapper.get_autocommit():
                 raise UnsupportedFeature(
                     "transaction=True needs atomic(): manual transaction management "
@@ -308,7 +307,13 @@ class DjangoAdvisoryLock:
                     raise
                 locks.released(holding, "lost")
                 raise self._lost_connection(error) from error
-            if not holding.active and holding not in locks.pending_release:
+            # An unlock the server ran was forgotten and reported by the lock already;
+            # only a request's list of its locks may still name it.
+            if (
+                not holding.active
+                and locks.request_holdings
+                and holding not in locks.pending_release
+            ):
                 locks.released(holding, "unlock")
         except BaseException as error:
             if atomic is not None:
