@@ -152,6 +152,7 @@ class DjangoAdvisoryLock:
         "_holdings",
         "_lock",
         "_name",
+        "_options",
         "_site",
         "key_prefix",
         "key_scheme",
@@ -178,11 +179,13 @@ class DjangoAdvisoryLock:
         if not isinstance(using, str):
             raise TypeError(f"using must be a database alias, not {type(using).__name__}")
         self.using = using
-        self.timeout = validate_timeout(defaults.timeout if timeout is DEFAULT else timeout)
-        self.transaction = (
-            defaults.transaction if isinstance(transaction, _Default) else transaction
+        self._options = _lock_options(
+            defaults.timeout if timeout is DEFAULT else timeout,
+            shared,
+            defaults.transaction if isinstance(transaction, _Default) else transaction,
         )
-        validate_flags(shared=shared, transaction=self.transaction)
+        self.timeout = self._options.timeout
+        self.transaction = self._options.transaction
         if not isinstance(skip_if_locked, bool):
             raise TypeError("skip_if_locked must be True or False")
         self.shared = shared
@@ -563,11 +566,7 @@ class DjangoAdvisoryLock:
 
     def _core_lock(self, name: LockName) -> AdvisoryLock:
         key = derive_key(name, scheme=self.key_scheme, prefix=self.key_prefix)
-        return AdvisoryLock(
-            self._site,
-            key,
-            LockOptions(timeout=self.timeout, shared=self.shared, transaction=self.transaction),
-        )
+        return AdvisoryLock(self._site, key, self._options)
 
     def _not_acquired(self) -> LockNotAcquired:
         return not_acquired_error(self.name, self.timeout)
@@ -577,6 +576,39 @@ class DjangoAdvisoryLock:
             return f"<DjangoAdvisoryLock {self._name!r} using={self.using!r}>"
         state = "held" if self.held else "not held"
         return f"<DjangoAdvisoryLock {self.name!r} key={self.key!r} using={self.using!r} {state}>"
+
+
+# Validated options, one per combination this process uses (a handful), so a lock made
+# with the same options as an earlier one is not validated again. Keyed with the types
+# too: True == 1, and 5 == 5.0, must not stand in for each other.
+_OPTIONS: dict[tuple[object, ...], LockOptions] = {}
+_OPTIONS_KEPT: Final = 128
+
+
+def _lock_options(timeout: object, shared: object, transaction: object) -> LockOptions:
+    """``LockOptions`` for a lock, validated (raise TypeError/ValueError) the first time."""
+    entry: tuple[object, ...] | None = (
+        timeout,
+        shared,
+        transaction,
+        type(timeout),
+        type(shared),
+        type(transaction),
+    )
+    try:
+        options = _OPTIONS.get(entry)  # type: ignore[arg-type]
+    except TypeError:  # unhashable: the validation says what is wrong with it
+        entry = options = None
+    if options is None:
+        # The timeout first, then the flags, as the errors always came.
+        validate_timeout(timeout)
+        validate_flags(shared=shared, transaction=transaction)
+        options = LockOptions(timeout=timeout, shared=shared, transaction=transaction)  # type: ignore[arg-type]
+        if entry is not None:
+            if len(_OPTIONS) >= _OPTIONS_KEPT:
+                _OPTIONS.clear()  # timeouts computed per call: keep the cache small
+            _OPTIONS[entry] = options
+    return options
 
 
 def _name_factory(

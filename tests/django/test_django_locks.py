@@ -99,6 +99,20 @@ def test_bad_names_and_options_fail_before_connecting() -> None:
     assert connection.connection is None
 
 
+def test_options_valid_once_do_not_vouch_for_lookalikes_of_another_type() -> None:
+    # 1 == True and 0 == False: options made (and validated) once are reused, but never
+    # for a value that only compares equal to theirs.
+    assert advisory_lock("x", timeout=1, shared=True).timeout == 1
+    with pytest.raises(TypeError, match="timeout"):
+        advisory_lock("x", timeout=True, shared=True)
+    with pytest.raises(TypeError, match="shared"):
+        advisory_lock("x", timeout=1, shared=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="transaction"):
+        advisory_lock("x", transaction=0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="timeout"):
+        advisory_lock("x", timeout=[1])  # type: ignore[arg-type]
+
+
 def test_current_advisory_locks_lists_the_names_this_connection_holds() -> None:
     name = unique_name()
     with advisory_lock(name):
