@@ -57,6 +57,7 @@ from advisory_locks._core.steps import Executor, Statement, on, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
 from advisory_locks.errors import UnsupportedFeature
 from advisory_locks_django._compat import (
+    autocommit,
     django_errors,
     new_wrapper,
     on_commit_callbacks,
@@ -468,8 +469,8 @@ class DjangoSite:
         registry = connection_locks(wrapper, self.backend)
         # Django's autocommit is the driver's: off means the statements join a
         # transaction (atomic(), or set_autocommit(False)) that the backend must protect.
-        # (get_autocommit() also refuses async code, as every query does.)
-        in_transaction = not wrapper.get_autocommit()
+        # (Async code is refused here, as every query is.)
+        in_transaction = not autocommit(wrapper)
         borrow = registry.borrows.get(in_transaction)
         if borrow is None:
             borrow = registry.borrows[in_transaction] = DjangoBorrow(

@@ -8,6 +8,7 @@ else.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHECKED_DJANGO_VERSIONS",
+    "autocommit",
     "connection_usable",
     "django_errors",
     "install_close_hook",
@@ -96,6 +98,20 @@ def django_errors(wrapper: BaseDatabaseWrapper) -> AbstractContextManager[None]:
     health check reads: Django learns of a failed lock statement as of a failed query.
     """
     return wrapper.wrap_database_errors
+
+
+def autocommit(wrapper: BaseDatabaseWrapper) -> bool:
+    """``wrapper.get_autocommit()`` for a wrapper whose connection is open.
+
+    ``get_autocommit()`` is ``ensure_connection()`` (``@async_unsafe``: it raises
+    ``SynchronousOnlyOperation`` when an event loop runs in this thread, unless
+    ``DJANGO_ALLOW_ASYNC_UNSAFE`` is set; it reads the environment for that on every
+    call) and then the ``autocommit`` attribute. With no event loop running that is the
+    attribute alone; with one, Django's own method answers or refuses.
+    """
+    if asyncio._get_running_loop() is not None:
+        return bool(wrapper.get_autocommit())
+    return bool(wrapper.autocommit)
 
 
 def refuse_broken_transaction(wrapper: BaseDatabaseWrapper) -> None:

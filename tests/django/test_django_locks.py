@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import psycopg
 import pytest
-from django.db import connection, transaction
+from django.core.exceptions import SynchronousOnlyOperation
+from django.db import connection, connections, transaction
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 
@@ -280,3 +282,28 @@ def test_releasing_another_threads_lock_by_name_says_it_is_held_elsewhere(admin:
     name = unique_name()
     with advisory_lock(name), pytest.raises(LockUsageError, match="another lock object"):
         in_thread(lambda: advisory_lock(name).release())
+
+
+def test_a_sync_acquire_from_async_code_is_refused_like_a_query(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Even where the async context has its connection open already (opened while
+    # DJANGO_ALLOW_ASYNC_UNSAFE was set): blocking the event loop in a lock wait is what
+    # Django's SynchronousOnlyOperation is there to stop.
+    name = unique_name()
+
+    async def take() -> None:
+        wrapper = connections["default"]
+        monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+        wrapper.ensure_connection()
+        monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE")
+        try:
+            with pytest.raises(SynchronousOnlyOperation):
+                advisory_lock(name).acquire()
+        finally:
+            monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+            assert name not in current_advisory_locks()
+            wrapper.close()
+            monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE")
+
+    asyncio.run(take())
