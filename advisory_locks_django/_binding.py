@@ -399,6 +399,30 @@ def held_keys(alias: str) -> list[LockKey]:
     ]
 
 
+class _DriverExecutor(DBAPIExecutor):
+    """The DB-API executor, with psycopg 3's own cursor class on a Django connection.
+
+    Django makes its psycopg 3 connections with ``cursor_factory`` set to a
+    ``ClientCursor`` (unless ``OPTIONS["server_side_binding"]``), which renders every
+    parameter into the statement text on the client. The lock statements are written for
+    server-side binding (the SQLAlchemy and raw psycopg binds send them so), which costs
+    the client less per statement. Django's ``prepare_threshold=None`` still applies, so
+    they are not prepared (transaction poolers) unless the application's OPTIONS ask.
+    """
+
+    __slots__ = ()
+
+    def new_cursor(self) -> Any:
+        connection = self.connection
+        module = type(connection).__module__
+        if module == "psycopg" or module.startswith("psycopg."):
+            import psycopg
+            from psycopg.rows import tuple_row
+
+            return psycopg.Cursor(connection, row_factory=tuple_row)
+        return super().new_cursor()
+
+
 class DjangoExecutor:
     """Runs the backend's SQL on the wrapper's DB-API connection.
 
@@ -414,7 +438,7 @@ class DjangoExecutor:
         self, wrapper: BaseDatabaseWrapper, dbapi_connection: Any, state: dict[str, Any]
     ) -> None:
         self.wrapper = wrapper
-        self._executor = DBAPIExecutor(dbapi_connection, state)
+        self._executor = _DriverExecutor(dbapi_connection, state)
 
     @property
     def state(self) -> dict[str, Any]:

@@ -307,3 +307,17 @@ def test_a_sync_acquire_from_async_code_is_refused_like_a_query(
             monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE")
 
     asyncio.run(take())
+
+
+def test_lock_statements_are_bound_on_the_server_and_not_prepared(admin: Admin) -> None:
+    # Django's psycopg cursors render parameters into the text on the client; the lock's
+    # statements send them apart (less client work), still unprepared as Django configures.
+    name = unique_name()
+    with advisory_lock(name, timeout=5):
+        row = admin.execute(
+            "SELECT query FROM pg_stat_activity WHERE pid = %s", (server_pid(),)
+        ).fetchone()
+        assert row is not None
+        assert "pg_advisory_lock($1)" in row[0]
+        prepared = connection.connection.execute("SELECT count(*) FROM pg_prepared_statements")
+        assert prepared.fetchone() == (0,)
