@@ -430,6 +430,14 @@ def test_a_lock_left_on_a_connection_given_back_to_its_pool_is_released_and_lost
         pid = holder_pids(pg_admin, name)
         assert len(pid) == 1
         pool.putconn(first_connection)
+        if not with_reset:
+            # A pool without a reset of its own returns connections in the caller's
+            # thread, the guard included: unlocked before putconn() returned, not by the
+            # pool's worker thread.
+            assert [
+                record.thread for record in caplog.records if repr(name) in record.getMessage()
+            ] == [threading.get_ident()]
+            assert holder_pids(pg_admin, name) == []
         with pool.connection(timeout=10) as second_connection:
             assert second_connection is first_connection  # a pool of one
             assert holder_pids(pg_admin, name) == []

@@ -8,6 +8,7 @@ admin connection, is the witness of what the server holds.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -447,6 +448,9 @@ async def test_a_lock_left_on_a_psycopg_pool_connection_is_released_at_checkin(
             first = advisory_lock(connection, name, timeout=0)
             assert await first.acquire()
             assert len(holder_pids(pg_admin, name)) == 1
+        if not with_reset:
+            # Returned without the pool's worker task, the guard included.
+            assert holder_pids(pg_admin, name) == []
         async with pool.connection(timeout=10) as again:
             assert again is connection
             assert holder_pids(pg_admin, name) == []
@@ -475,6 +479,10 @@ def test_the_private_psycopg_pool_apis_the_binding_uses_exist() -> None:
     async_pool = AsyncConnectionPool("", open=False)
     assert sync_pool._reset is None
     assert async_pool._reset is None
+    for pool in (sync_pool, async_pool):
+        for method in ("_putconn", "_return_connection"):
+            parameters = list(inspect.signature(getattr(pool, method)).parameters)
+            assert parameters == ["conn", "from_getconn"], (type(pool).__name__, method)
 
 
 async def test_the_library_keeps_no_dropped_asyncpg_connection_alive(dsn: str) -> None:

@@ -6,11 +6,23 @@ application's on every returned connection is the ``reset`` callable given to th
 which it keeps as ``_reset`` and calls (awaits, on an ``AsyncConnectionPool``) once it
 has rolled back an open transaction, before the connection can be handed out again. An
 exception there makes the pool close the connection instead of reusing it.
+
+A pool that has a reset callable returns every connection through a worker (``_putconn``
+queues a ``ReturnConnection`` task when ``_reset`` is set; without one it calls
+``_return_connection`` in the caller's thread or task). Installing the guard as the reset
+would make every check-in of a pool that had none a hand-off to the worker and every
+check-out after it a wait for that worker: a thread switch per lock. So where the
+application gave the pool no reset of its own, the pool's ``_putconn`` is replaced by one
+that returns the connection at once, as the pool does without a reset, the guard included
+(``_return_connection`` runs ``_reset``): a lock left on the connection is unlocked before
+``putconn()`` returns.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -48,4 +60,30 @@ def guard_checkin(pool: Any, guard: Callable[[Any, Any], Any]) -> None:
             return guard(connection, reset)
 
         pool._reset = guarded
+        if reset is None:
+            pool._putconn = _return_at_once(pool)
         setattr(pool, GUARDED_ATTRIBUTE, True)
+
+
+def _return_at_once(pool: Any) -> Callable[[Any, bool], Any]:
+    """A ``_putconn`` for ``pool`` that returns a connection without its worker, as the
+    pool itself does when it has no reset callable (``pool._return_connection``:
+    rollback of an open transaction, the reset, the check of a broken or expired
+    connection, then back to the pool or to a waiting client). Refers to the pool weakly:
+    an attribute of the pool must not keep it alive."""
+    pool_ref = weakref.ref(pool)
+    if inspect.iscoroutinefunction(type(pool)._putconn):
+
+        async def areturn(connection: Any, from_getconn: bool) -> None:
+            owner = pool_ref()
+            if owner is not None:
+                await owner._return_connection(connection, from_getconn=from_getconn)
+
+        return areturn
+
+    def return_now(connection: Any, from_getconn: bool) -> None:
+        owner = pool_ref()
+        if owner is not None:
+            owner._return_connection(connection, from_getconn=from_getconn)
+
+    return return_now
