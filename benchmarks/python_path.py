@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 
 from advisory_locks import advisory_lock
 from advisory_locks._bindings import _raw
+from advisory_locks._bindings.psycopg import PsycopgLockExecutor
 from advisory_locks._core import executors
 from advisory_locks._core.steps import VALUE, Statement
 from benchmarks.postgres import database_url, raw_connection
@@ -77,9 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         for operation in cases.values():
             for _ in range(50):
                 operation()  # for real: pools filled, servers checked
-        real = (executors.DBAPIExecutor.execute, _raw.RaisingExecutor.execute)
+        real = (
+            executors.DBAPIExecutor.execute,
+            _raw.RaisingExecutor.execute,
+            PsycopgLockExecutor.execute,
+        )
         executors.DBAPIExecutor.execute = _stub  # type: ignore[method-assign]
         _raw.RaisingExecutor.execute = _stub  # type: ignore[method-assign]
+        PsycopgLockExecutor.execute = _stub  # type: ignore[method-assign]
         try:
             for name, operation in cases.items():
                 for _ in range(300):
@@ -100,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
                 profile.disable()
                 pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(40)
         finally:
-            executors.DBAPIExecutor.execute, _raw.RaisingExecutor.execute = real  # type: ignore[method-assign]
+            (
+                executors.DBAPIExecutor.execute,
+                _raw.RaisingExecutor.execute,
+                PsycopgLockExecutor.execute,
+            ) = real  # type: ignore[method-assign]
     return 0
 
 

@@ -54,6 +54,7 @@ are then refused unless the application declared the pooler with ``declare_poole
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import weakref
@@ -96,6 +97,7 @@ __all__ = [
     "declare_pooler",
     "declared_pooler",
     "release_at_checkin",
+    "translate_error",
 ]
 
 # Transaction status, as libpq numbers it (psycopg 3 and psycopg2 report these values).
@@ -125,6 +127,9 @@ class ConnectionGone(LockConnectionLost):
 # -- declared poolers -------------------------------------------------------------------
 
 _declared_weak: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+# The weak mapping's own dict, whose truthiness every lock reads at C speed (the
+# mapping's __len__ is Python code); an entry leaves it when its key is collected.
+_declared_entries: dict[Any, str] = vars(_declared_weak)["data"]
 # Objects that cannot be weakly referenced (asyncpg's Pool): kept with their declaration.
 _declared_strong: dict[int, tuple[object, str]] = {}
 _declared_mutex = threading.Lock()
@@ -158,7 +163,7 @@ def declare_pooler(bind: object, pooler: str) -> None:
 
 def declared_pooler(*candidates: object) -> str | None:
     """The declaration of the first candidate (connection, then its pool) that has one."""
-    if not _declared_weak and not _declared_strong:
+    if not _declared_entries and not _declared_strong:
         return None
     for candidate in candidates:
         if candidate is None:
@@ -194,6 +199,11 @@ class RawDriver:
     # autocommit=1 commits; sqlite3's isolation_level=None commits).
     autocommit_for_session_locks: bool = True
 
+    @functools.cached_property
+    def backend(self) -> Backend:
+        """The dialect backend of this driver's locks (looked up once)."""
+        return backend_for_dialect(self.dialect)
+
     def physical(self, bind: Any) -> Any:
         """The driver connection ``bind`` stands for (None: no longer usable by it)."""
         return bind
@@ -222,6 +232,16 @@ class RawDriver:
 
     def executor(self, connection: Any, scratch: dict[str, Any]) -> Any:
         return DBAPIExecutor(connection, scratch)
+
+    def lock_executor(self, connection: Any, scratch: dict[str, Any], backend: Backend) -> Any:
+        """The executor of lock statements on ``connection``: the driver's own
+        (``executor``), raising an error that means the connection is gone as
+        ``ConnectionGone``. A driver may return one that does both in a single call."""
+        return RaisingExecutor(self.executor(connection, scratch), backend)
+
+    # Whether the executors of ``new_executors`` refer to their connection weakly, so
+    # that a state kept in the weak mapping may keep them (see ``keep_state``).
+    weak_lock_executors: bool = False
 
     def set_autocommit(self, connection: Any, value: bool) -> None:
         if callable(getattr(connection, "get_autocommit", None)):
@@ -259,8 +279,8 @@ class RawDriver:
         else:
             # In the weak mapping (psycopg2 and asyncpg connections have no __dict__),
             # where a value that refers to its key keeps it alive: the state must not
-            # keep executors, which refer to the connection.
-            state.keeps_executors = False
+            # keep executors that refer to the connection.
+            state.keeps_executors = self.weak_lock_executors
             _states[connection] = state
 
     # A pool bind's connections (for drivers that have pools).
@@ -280,6 +300,13 @@ class RawDriver:
 
 class AsyncRawDriver(RawDriver):
     """An asyncio driver: statements, autocommit switches, closes and pools are awaited."""
+
+    # Whether every statement outside the driver's own transaction runs in autocommit
+    # (asyncpg has no other mode): session locks then need no autocommit switch.
+    always_autocommit: bool = False
+
+    def lock_executor(self, connection: Any, scratch: dict[str, Any], backend: Backend) -> Any:
+        return AsyncRaisingExecutor(self.executor(connection, scratch), backend)
 
     async def aset_autocommit(self, connection: Any, value: bool) -> None:
         raise NotImplementedError
@@ -334,11 +361,12 @@ class RawConnectionState(ConnectionState):
             self.epoch = epoch
             self.connection_gone()
             return
-        if driver.status(connection) == IDLE and any(
-            holding.transaction for holding in self.holdings.values()
-        ):
-            # Committed or rolled back: the driver cannot tell which.
-            self.transaction_ended("transaction_ended")
+        if driver.status(connection) == IDLE:
+            for holding in self.holdings.values():
+                if holding.transaction:
+                    # Committed or rolled back: the driver cannot tell which.
+                    self.transaction_ended("transaction_ended")
+                    return
 
 
 _states: weakref.WeakKeyDictionary[Any, RawConnectionState] = weakref.WeakKeyDictionary()
@@ -395,11 +423,11 @@ def new_executors(driver: RawDriver, connection: Any, state: RawConnectionState)
     """(session-lock executor, transaction-lock executor) for ``connection``."""
     backend = state.backend
     assert backend is not None
-    plain = driver.executor(connection, state.driver_state)
+    transaction = driver.lock_executor(connection, state.driver_state, backend)
     if isinstance(driver, AsyncRawDriver):
-        transaction: Any = AsyncRaisingExecutor(plain, backend)
+        if driver.always_autocommit:
+            return transaction, transaction
         return AutocommitExecutor(driver, connection, transaction), transaction
-    transaction = RaisingExecutor(plain, backend)
     if not driver.autocommit_for_session_locks:
         return transaction, transaction
     return SyncAutocommitExecutor(driver, connection, transaction), transaction
@@ -428,7 +456,7 @@ class RaisingExecutor:
         try:
             return self._execute(statement)
         except Exception as error:
-            raise _translated(error, self._backend) from error
+            raise translate_error(error, self._backend) from error
 
 
 class AsyncRaisingExecutor(RaisingExecutor):
@@ -438,10 +466,11 @@ class AsyncRaisingExecutor(RaisingExecutor):
         try:
             return await self._execute(statement)
         except Exception as error:
-            raise _translated(error, self._backend) from error
+            raise translate_error(error, self._backend) from error
 
 
-def _translated(error: Exception, backend: Backend) -> Exception:
+def translate_error(error: Exception, backend: Backend) -> Exception:
+    """``ConnectionGone`` for an error that means the connection is gone, else ``error``."""
     if isinstance(error, AdvisoryLockError) or not backend.is_connection_failure(error):
         return error
     return ConnectionGone(f"the database connection is gone: {error}")
@@ -451,12 +480,15 @@ class SyncAutocommitExecutor:
     """Runs a statement with a non-autocommit connection switched to autocommit while no
     transaction is open, so that it opens none; inside a transaction, in it."""
 
-    __slots__ = ("_connection", "_driver", "_inner")
+    __slots__ = ("_autocommit", "_connection", "_driver", "_inner", "_status")
 
     def __init__(self, driver: RawDriver, connection: Any, inner: Any) -> None:
         self._driver = driver
         self._connection = connection
         self._inner = inner
+        # Read before every statement: bound once.
+        self._autocommit = driver.autocommit
+        self._status = driver.status
 
     @property
     def state(self) -> dict[str, Any]:
@@ -464,9 +496,10 @@ class SyncAutocommitExecutor:
         return scratch
 
     def execute(self, statement: Statement) -> Any:
-        driver, connection = self._driver, self._connection
-        if driver.autocommit(connection) or driver.status(connection) != IDLE:
+        connection = self._connection
+        if self._autocommit(connection) or self._status(connection) != IDLE:
             return self._inner.execute(statement)
+        driver = self._driver
         driver.set_autocommit(connection, True)
         try:
             result = self._inner.execute(statement)
@@ -486,9 +519,10 @@ class AutocommitExecutor(SyncAutocommitExecutor):
     __slots__ = ()
 
     async def execute(self, statement: Statement) -> Any:
-        driver, connection = self._driver, self._connection
-        if driver.autocommit(connection) or driver.status(connection) != IDLE:
+        connection = self._connection
+        if self._autocommit(connection) or self._status(connection) != IDLE:
             return await self._inner.execute(statement)
+        driver = self._driver
         assert isinstance(driver, AsyncRawDriver)
         await driver.aset_autocommit(connection, True)
         try:
@@ -570,7 +604,7 @@ class ConnectionSite:
     def __init__(self, driver: RawDriver, bind: Any) -> None:
         self.driver = driver
         self.bind = bind
-        self.backend = backend_for_dialect(driver.dialect)
+        self.backend = driver.backend
 
     @property
     def binding(self) -> str:
@@ -589,20 +623,21 @@ class ConnectionSite:
         """The usual session-lock borrow, which needs no statement: the server was checked
         on this connection before (no pooler in between), no pooler is declared anywhere
         and no unlock waits. None sends the borrow down the full path (``prepare``)."""
-        if _declared_weak or _declared_strong:
+        if _declared_entries or _declared_strong:
             return None
         driver = self.driver
         connection = driver.physical(self.bind)
         state = None if connection is None else driver.find_state(connection)
         if state is None or state.behind_proxy is not False or driver.is_closed(connection):
             return None
-        state.observe()
+        if state.holdings:
+            state.observe()
         state.epoch = driver.epoch(connection)
         status = driver.status(connection)
         if state.pending_release or status == FAILED:
             return None
-        executor = state.executors(connection)[0]
-        return ConnectionBorrow(self, connection, executor, state, status != IDLE)
+        executors = state._executors or state.executors(connection)
+        return ConnectionBorrow(self, connection, executors[0], state, status != IDLE)
 
     def run(self, steps: Steps[Any]) -> Awaitable[Any]:
         return arun_steps(steps, self)
@@ -785,7 +820,7 @@ class PoolSite:
     def __init__(self, driver: RawDriver, pool: Any) -> None:
         self.driver = driver
         self.pool = pool
-        self.backend = backend_for_dialect(driver.dialect)
+        self.backend = driver.backend
 
     @property
     def binding(self) -> str:

@@ -13,6 +13,7 @@ and ``ensure_held()`` raise ``LockLost``.
 
 from __future__ import annotations
 
+import weakref
 from functools import cache
 from typing import Any, Final
 
@@ -20,12 +21,20 @@ from asyncpg.connection import Connection
 from asyncpg.pool import Pool, PoolConnectionProxy
 
 from advisory_locks._bindings import _asyncpg_compat as compat
-from advisory_locks._bindings._raw import IDLE, IN_TRANSACTION, AsyncRawDriver, RawBinding
+from advisory_locks._bindings._raw import (
+    IDLE,
+    IN_TRANSACTION,
+    AsyncRawDriver,
+    ConnectionGone,
+    RawBinding,
+    translate_error,
+)
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
+from advisory_locks._dialects import Backend
 from advisory_locks.errors import UnsupportedFeature
 
-__all__ = ["AsyncpgDriver", "AsyncpgExecutor", "AsyncpgLeaseDriver"]
+__all__ = ["AsyncpgDriver", "AsyncpgExecutor", "AsyncpgLeaseDriver", "AsyncpgLockExecutor"]
 
 # How long a discarded connection may take to close gracefully before its socket is cut.
 CLOSE_TIMEOUT_SECONDS: Final = 5.0
@@ -65,10 +74,39 @@ class AsyncpgExecutor:
         return [tuple(row) for row in rows]
 
 
+class AsyncpgLockExecutor:
+    """``AsyncpgExecutor`` for lock statements, made once per connection: a lost
+    connection raised as ``ConnectionGone`` (``AsyncRaisingExecutor``'s work) in the same
+    call, and the connection referred to weakly, so that the connection's state (kept in
+    a weak mapping: asyncpg connections have no ``__dict__``) can keep this executor
+    without keeping the connection alive."""
+
+    __slots__ = ("_backend", "_connection", "state")
+
+    def __init__(self, connection: Any, state: dict[str, Any], backend: Backend) -> None:
+        self._connection = weakref.ref(connection)
+        self.state = state
+        self._backend = backend
+
+    async def execute(self, statement: Statement) -> object:
+        connection = self._connection()
+        if connection is None:
+            raise ConnectionGone("the database connection is gone")
+        try:
+            if statement.kind == VALUE:
+                params = statement.params
+                return await connection.fetchval(numbered(statement.sql, len(params)), *params)
+            return await AsyncpgExecutor(connection, self.state).execute(statement)
+        except Exception as error:
+            raise translate_error(error, self._backend) from error
+
+
 class AsyncpgDriver(AsyncRawDriver):
     """asyncpg's connections: autocommit outside ``conn.transaction()``."""
 
     name = "asyncpg"
+    always_autocommit = True
+    weak_lock_executors = True
 
     open_transaction = "open one with `async with conn.transaction():`"
 
@@ -92,6 +130,9 @@ class AsyncpgDriver(AsyncRawDriver):
 
     def executor(self, connection: Any, scratch: dict[str, Any]) -> Any:
         return AsyncpgExecutor(connection, scratch)
+
+    def lock_executor(self, connection: Any, scratch: dict[str, Any], backend: Backend) -> Any:
+        return AsyncpgLockExecutor(connection, scratch, backend)
 
     async def aset_autocommit(self, connection: Any, value: bool) -> None:
         raise AssertionError("asyncpg connections are always in autocommit")

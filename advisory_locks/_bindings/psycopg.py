@@ -6,23 +6,75 @@ What a raw bind means (transactions, pools, poolers) is in ``_raw``.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from psycopg import Connection
+from psycopg.rows import tuple_row
 
 from advisory_locks._bindings import _psycopg_pool_compat
 from advisory_locks._bindings._psycopg_pool_compat import pool_of
-from advisory_locks._bindings._raw import RawBinding, RawDriver, release_at_checkin
+from advisory_locks._bindings._raw import (
+    RawBinding,
+    RawDriver,
+    release_at_checkin,
+    translate_error,
+)
 from advisory_locks._bindings.raw_lease import LeaseDriver
 from advisory_locks._core.dispatch import register_binding
-from advisory_locks._core.steps import run_steps
+from advisory_locks._core.steps import SCRIPT, VALUE, Statement, run_steps
+from advisory_locks._dialects import Backend
 
-__all__ = ["PsycopgDriver"]
+__all__ = ["PsycopgDriver", "PsycopgLockExecutor"]
 
 OPEN_TRANSACTION = (
     "open one with `with conn.transaction():`, or use a connection that is not in "
     "autocommit mode (its first statement begins a transaction)"
 )
+
+
+class PsycopgLockExecutor:
+    """Runs lock statements on a psycopg 3 ``Connection``, in one call per statement:
+    ``DBAPIExecutor``'s statement handling for psycopg 3 alone, with the binding's
+    translation of a lost connection into ``ConnectionGone`` (``RaisingExecutor``).
+
+    One cursor, made on first use with rows as tuples whatever row factory the
+    connection has, serves every statement of the connection's life; a mutex keeps two
+    threads from mixing up a statement and its fetch. A script (several statements) is
+    never prepared, also with ``prepare_threshold=0``: a prepared statement holds one
+    command. (psycopg closes no cursor when its connection closes: a statement on a
+    closed connection fails, and that error says the connection is gone.)
+    """
+
+    __slots__ = ("_backend", "_cursor", "_mutex", "connection", "state")
+
+    def __init__(self, connection: Any, state: dict[str, Any], backend: Backend) -> None:
+        self.connection = connection
+        self.state = state
+        self._backend = backend
+        self._cursor: Any = None
+        self._mutex = threading.Lock()
+
+    def execute(self, statement: Statement) -> object:
+        try:
+            with self._mutex:
+                cursor = self._cursor
+                if cursor is None:
+                    cursor = self._cursor = self.connection.cursor(row_factory=tuple_row)
+                kind = statement.kind
+                if kind == VALUE:
+                    cursor.execute(statement.sql, statement.params)
+                    row = cursor.fetchone()
+                    return None if row is None else row[0]
+                if kind == SCRIPT:
+                    cursor.execute(statement.sql, prepare=False)
+                    return None
+                # ROWS; without parameters no "%" in the text is read as a placeholder.
+                cursor.execute(statement.sql, statement.params or None)
+                # A statement without a result gives no description.
+                return [] if cursor.description is None else cursor.fetchall()
+        except Exception as error:
+            raise translate_error(error, self._backend) from error
 
 
 class PsycopgDriver(RawDriver):
@@ -43,6 +95,9 @@ class PsycopgDriver(RawDriver):
 
     def set_autocommit(self, connection: Any, value: bool) -> None:
         connection.autocommit = value
+
+    def lock_executor(self, connection: Any, scratch: dict[str, Any], backend: Backend) -> Any:
+        return PsycopgLockExecutor(connection, scratch, backend)
 
     def pool_of(self, connection: Any) -> Any:
         return pool_of(connection)
