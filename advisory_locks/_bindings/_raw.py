@@ -96,6 +96,7 @@ __all__ = [
     "RawDriver",
     "declare_pooler",
     "declared_pooler",
+    "holds_at_checkin",
     "release_at_checkin",
     "translate_error",
 ]
@@ -390,6 +391,13 @@ def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnec
     # With nothing held, observe() did not look; a reset session has nothing to forget.
     state.epoch = driver.epoch(connection)
     return state
+
+
+def holds_at_checkin(driver: RawDriver, connection: Any) -> bool:
+    """Whether ``release_at_checkin`` may have anything to do for ``connection``: a pool
+    guard asks this on every check-in, and the answer is nearly always no."""
+    state = driver.find_state(connection)
+    return state is not None and bool(state.holdings or state.pending_release)
 
 
 def release_at_checkin(driver: RawDriver, connection: Any) -> Steps[None]:
@@ -836,7 +844,10 @@ class PoolSite:
                 # nothing the lock does can be rolled back underneath it.
                 driver.set_autocommit(borrow.connection, True)
                 borrow.previous_autocommit = False
-            run_steps(self.prepare(borrow))
+            if self._checked(borrow):
+                self._register(borrow)
+            else:
+                run_steps(self.prepare(borrow))
         except BaseException as error:
             borrow.broken(error)
             borrow.settle()
@@ -851,7 +862,10 @@ class PoolSite:
             if not driver.autocommit(borrow.connection):
                 await driver.aset_autocommit(borrow.connection, True)
                 borrow.previous_autocommit = False
-            await arun_steps(self.prepare(borrow))
+            if self._checked(borrow):
+                self._register(borrow)
+            else:
+                await arun_steps(self.prepare(borrow))
         except BaseException as error:
             borrow.broken(error)
             await borrow.asettle()
@@ -874,6 +888,21 @@ class PoolSite:
         )
         if state.pending_release:
             yield from finish_pending_releases(state, borrow.executor)
+        self._register(borrow)
+
+    def _checked(self, borrow: PooledBorrow) -> bool:
+        """Whether ``prepare`` would send nothing and refuse nothing: the server was checked
+        on this connection (no pooler in between), no pooler is declared anywhere and no
+        unlock waits. Every borrow of a connection after its first is this case."""
+        state = borrow.state
+        return (
+            state.behind_proxy is False
+            and not state.pending_release
+            and not _declared_entries
+            and not _declared_strong
+        )
+
+    def _register(self, borrow: PooledBorrow) -> None:
         with _pool_borrows_mutex:
             borrows = _pool_borrows.get(id(self.pool))
             if borrows is None:

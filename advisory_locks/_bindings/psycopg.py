@@ -17,6 +17,7 @@ from advisory_locks._bindings._psycopg_pool_compat import pool_of
 from advisory_locks._bindings._raw import (
     RawBinding,
     RawDriver,
+    holds_at_checkin,
     release_at_checkin,
     translate_error,
 )
@@ -115,7 +116,8 @@ class PsycopgDriver(RawDriver):
             _psycopg_pool_compat.guard_checkin(pool, self._checked_in)
 
     def _checked_in(self, connection: Any, reset: Any) -> None:
-        run_steps(release_at_checkin(self, connection))
+        if holds_at_checkin(self, connection):
+            run_steps(release_at_checkin(self, connection))
         if reset is not None:
             reset(connection)
 

@@ -9,7 +9,12 @@ from typing import Any
 from psycopg2.extensions import connection as Psycopg2Connection
 
 from advisory_locks._bindings._psycopg2_compat import guard_pool_checkins
-from advisory_locks._bindings._raw import RawBinding, RawDriver, release_at_checkin
+from advisory_locks._bindings._raw import (
+    RawBinding,
+    RawDriver,
+    holds_at_checkin,
+    release_at_checkin,
+)
 from advisory_locks._bindings.raw_lease import LeaseDriver
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.steps import run_steps
@@ -47,7 +52,8 @@ def _checked_in(connection: Any) -> bool:
     """Unlock what a connection given back to a psycopg2 pool still holds (see
     ``release_at_checkin``); False when that failed, and the pool must close it."""
     try:
-        run_steps(release_at_checkin(_DRIVER, connection))
+        if holds_at_checkin(_DRIVER, connection):
+            run_steps(release_at_checkin(_DRIVER, connection))
     except Exception:
         return False
     return True

@@ -17,6 +17,7 @@ from advisory_locks._bindings._raw import (
     IDLE,
     AsyncRawDriver,
     RawBinding,
+    holds_at_checkin,
     release_at_checkin,
 )
 from advisory_locks._bindings.psycopg import OPEN_TRANSACTION
@@ -115,7 +116,8 @@ class AsyncPsycopgDriver(AsyncRawDriver):
             _psycopg_pool_compat.guard_checkin(pool, self._checked_in)
 
     async def _checked_in(self, connection: Any, reset: Any) -> None:
-        await arun_steps(release_at_checkin(self, connection))
+        if holds_at_checkin(self, connection):
+            await arun_steps(release_at_checkin(self, connection))
         if reset is not None:
             await reset(connection)
 
