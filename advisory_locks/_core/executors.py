@@ -8,6 +8,7 @@ their own, next to their binding.
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import threading
@@ -146,6 +147,9 @@ _IN_TRANSACTION_METHOD: Final = 4  # asyncpg: is_in_transaction()
 # psycopg 3: its public ``pgconn`` tells libpq's transaction status as an int, without the
 # ConnectionInfo object and enum that ``info.transaction_status`` builds on every read.
 _PGCONN: Final = 8
+# psycopg 3's blocking Connection, whose autocommit switch can skip its wait loop (see
+# _switch_psycopg_autocommit).
+_PSYCOPG_BLOCKING: Final = 16
 _kinds: dict[type, int] = {}
 
 
@@ -161,8 +165,13 @@ def _kind(connection: Any) -> int:
         if callable(getattr(cls, "is_in_transaction", None)):
             kind |= _IN_TRANSACTION_METHOD
         module = cls.__module__
-        if (module == "psycopg" or module.startswith("psycopg.")) and hasattr(cls, "pgconn"):
+        # pgconn is set per instance (no class attribute): ask the connection.
+        if (module == "psycopg" or module.startswith("psycopg.")) and hasattr(connection, "pgconn"):
             kind |= _PGCONN
+            if "_autocommit" in getattr(connection, "__dict__", ()) and not (
+                inspect.iscoroutinefunction(getattr(cls, "set_autocommit", None))
+            ):
+                kind |= _PSYCOPG_BLOCKING
         _kinds[cls] = kind
     return kind
 
@@ -195,7 +204,9 @@ def set_driver_autocommit(dbapi_connection: Any, value: bool) -> object:
         dbapi_connection.isolation_level = None if value else (previous or "")
         return previous
     previous_mode = driver_autocommit(dbapi_connection)
-    if kind & _AUTOCOMMIT_METHOD:
+    if kind & _PSYCOPG_BLOCKING:
+        _switch_psycopg_autocommit(dbapi_connection, value)
+    elif kind & _AUTOCOMMIT_METHOD:
         dbapi_connection.autocommit(value)
     else:
         dbapi_connection.autocommit = value
@@ -207,10 +218,23 @@ def restore_driver_autocommit(dbapi_connection: Any, previous: object) -> None:
     kind = _kind(dbapi_connection)
     if kind & _SQLITE3:
         dbapi_connection.isolation_level = previous
+    elif kind & _PSYCOPG_BLOCKING:
+        _switch_psycopg_autocommit(dbapi_connection, bool(previous))
     elif kind & _AUTOCOMMIT_METHOD:
         dbapi_connection.autocommit(bool(previous))
     else:
         dbapi_connection.autocommit = bool(previous)
+
+
+def _switch_psycopg_autocommit(connection: Any, value: bool) -> None:
+    # psycopg 3's setter runs a generator under the connection's lock through its wait
+    # loop, which costs more than everything else a lock does to switch the mode. On an
+    # idle connection outside a pipeline all that loop does is check the status (as
+    # here) and store the flag (psycopg 3.3 checked); anything else goes through the setter.
+    if connection._pipeline is None and connection.pgconn.transaction_status == PQTRANS_IDLE:
+        connection._autocommit = value
+    else:
+        connection.autocommit = value
 
 
 def driver_in_transaction(driver_connection: Any) -> bool | None:
