@@ -148,7 +148,7 @@ def derive_key(
         raise TypeError(f"lock name must be str, int or (int, int), not {type(name).__name__}")
     if not name:
         raise ValueError("lock name must not be empty")
-    prefix = os.environ.get(PREFIX_ENV) if prefix is None else prefix
+    prefix = _environment(PREFIX_ENV) if prefix is None else prefix
     if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, (str, int))):
         # Checked before the cache, which would otherwise answer True as it did 1.
         raise TypeError(f"key prefix must be str or int, not {type(prefix).__name__}")
@@ -218,6 +218,32 @@ def _string_key(name: str, scheme: str, prefix: str | int | None) -> LockKey:
     return LockKey(name, (key,), text_prefix, scheme)
 
 
+def _environment(variable: str) -> str | None:
+    """``os.environ.get(variable)``, read on every lock, so a change applies at once.
+
+    ``os.environ.get`` of an unset variable raises and catches a KeyError inside the
+    mapping, which costs more than the rest of deriving a key. ``os.environ`` keeps its
+    contents in ``_data`` under ``encodekey(name)`` and hands values out through
+    ``decodevalue`` (CPython's ``os._Environ`` since 3.2, on every platform); reading the
+    same entry that way never raises. Anything else falls back to the mapping.
+    """
+    environ = os.environ
+    reader = _environ_readers.get(variable)
+    if reader is None or reader[0] is not environ:
+        data = getattr(environ, "_data", None)
+        encode = getattr(environ, "encodekey", None)
+        decode = getattr(environ, "decodevalue", None)
+        if not isinstance(data, dict) or not callable(encode) or not callable(decode):
+            return environ.get(variable)
+        reader = _environ_readers[variable] = (environ, data, encode(variable), decode)
+    value = reader[1].get(reader[2])
+    return None if value is None else reader[3](value)
+
+
+# variable -> (the os.environ it was read from, its _data, the encoded name, decodevalue)
+_environ_readers: dict[str, tuple[object, dict[object, object], object, Callable[..., str]]] = {}
+
+
 def _validate_pair(name: tuple[object, ...]) -> tuple[int, int]:
     if len(name) != 2 or not all(
         isinstance(part, int) and not isinstance(part, bool) for part in name
@@ -232,7 +258,7 @@ def _validate_pair(name: tuple[object, ...]) -> tuple[int, int]:
 
 def _resolve_scheme(scheme: str | None) -> str:
     if scheme is None:
-        scheme = os.environ.get(SCHEME_ENV) or DEFAULT_SCHEME
+        scheme = _environment(SCHEME_ENV) or DEFAULT_SCHEME
     if scheme not in KEY_SCHEMES:
         raise ValueError(f"unknown key scheme {scheme!r}; expected one of {KEY_SCHEMES}")
     return scheme
