@@ -24,6 +24,7 @@ __all__ = [
     "LockContract",
     "LockOptions",
     "Timeout",
+    "lock_options",
     "not_acquired_error",
     "validate_flags",
     "validate_timeout",
@@ -43,6 +44,28 @@ class LockOptions:
     def __post_init__(self) -> None:
         validate_flags(shared=self.shared, transaction=self.transaction)
         object.__setattr__(self, "timeout", validate_timeout(self.timeout))
+
+
+_made: dict[tuple[object, ...], LockOptions] = {}
+_MADE_LIMIT = 256
+
+
+def lock_options(timeout: object, shared: object, transaction: object) -> LockOptions:
+    """``LockOptions(...)``, validated once per distinct set of options: an application
+    takes its locks with a handful of them, and validating costs more than looking up.
+
+    Only options of exact types are remembered (``True`` and ``1`` are equal as keys, and
+    only one of them is valid), at most ``_MADE_LIMIT`` of them.
+    """
+    key = (timeout, timeout.__class__, shared, shared.__class__, transaction, transaction.__class__)
+    try:
+        return _made[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable timeout, refused below
+        pass
+    options = LockOptions(timeout, shared, transaction)  # type: ignore[arg-type]
+    if len(_made) < _MADE_LIMIT:
+        _made[key] = options
+    return options
 
 
 def validate_flags(*, shared: object, transaction: object) -> None:

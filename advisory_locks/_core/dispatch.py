@@ -15,7 +15,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol, overload
 
-from advisory_locks._core.contract import LockOptions, Timeout
+from advisory_locks._core.contract import LockOptions, Timeout, lock_options
 from advisory_locks._core.lease import (
     DEFAULT_TTL,
     AsyncLeaseLock,
@@ -224,7 +224,7 @@ def advisory_lock(
         database cannot provide.
     """
     key = derive_key(name, scheme=key_scheme, prefix=key_prefix)
-    options = LockOptions(timeout=timeout, shared=shared, transaction=transaction)
+    options = lock_options(timeout, shared, transaction)
     lock = binding_for(bind).lock(bind, key, options)
     return lock  # type: ignore[no-any-return]
 
@@ -294,7 +294,7 @@ def advisory_lock_set(
     if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
         raise TypeError(f"names must be a collection of lock names, not {type(names).__name__}")
     keys = [derive_key(name, scheme=key_scheme, prefix=key_prefix) for name in names]
-    options = LockOptions(timeout=timeout, shared=shared, transaction=transaction)
+    options = lock_options(timeout, shared, transaction)
     lock_set = binding_for(bind).lock_set(bind, keys, options, options.timeout)
     return lock_set  # type: ignore[no-any-return]
 
