@@ -469,18 +469,20 @@ class _SettledAtOnce:
 class ConnectionBorrow(_SettledAtOnce):
     """A caller's Connection: never closed or returned by the lock."""
 
-    __slots__ = ("connection", "executor", "fairy", "in_transaction", "state")
+    __slots__ = ("connection", "driver", "executor", "fairy", "in_transaction", "state")
 
     def __init__(self, connection: Connection, backend: Backend, *, transaction: bool) -> None:
         fairy = connection.connection
         dbapi = fairy.dbapi_connection
         info = fairy.info
         self.fairy = fairy
-        if connection_state(info, backend, fairy).inherited:
+        self.connection = connection
+        self.driver = fairy.driver_connection
+        self.state = state = connection_state(info, backend, fairy)
+        if state.inherited:
             # A forked child's copy of its parent's connection: nothing may be sent on
             # it (the lock refuses it, naming itself).
-            self.connection, self.in_transaction = connection, False
-            self.state = connection_state(info)
+            self.in_transaction = False
             return
         if driver_autocommit(dbapi):
             if transaction:
@@ -502,19 +504,20 @@ class ConnectionBorrow(_SettledAtOnce):
             # A session lock must not open a transaction that SQLAlchemy does not know
             # about, on an idle connection or at a release after the caller's transaction
             # ended; it runs as autocommit whenever no transaction is open.
-            self.executor = _AutocommitExecutor(
-                fairy, lambda: _inside_transaction(fairy, connection)
-            )
-        self.connection = connection
-        self.state = connection_state(info, backend)
+            self.executor = _AutocommitExecutor(fairy, self._inside_transaction)
         pooler = _declared_pooler(connection.get_execution_options())
-        _check_server_once(
-            self.state, self.executor, fairy.driver_connection, pooler, session_lock=not transaction
-        )
-        self.in_transaction = transaction or _inside_transaction(fairy, connection)
-        if self.state.pending_release and not connection.in_transaction():
+        _check_server_once(state, self.executor, self.driver, pooler, session_lock=not transaction)
+        self.in_transaction = transaction or self._inside_transaction()
+        if state.pending_release and not connection.in_transaction():
             # A failed transaction postponed these unlocks and has ended since.
-            run_steps(finish_pending_releases(self.state, self.executor))
+            run_steps(finish_pending_releases(state, self.executor))
+
+    def _inside_transaction(self) -> bool:
+        # _inside_transaction(fairy, connection), asked before each statement: the
+        # driver connection is read once per borrow, not through the pool's proxies.
+        if self.connection.in_transaction():
+            return not driver_autocommit(self.fairy.dbapi_connection)
+        return driver_in_transaction(self.driver) is True
 
     def done(self) -> None:
         pass
@@ -558,7 +561,7 @@ class _AutocommitExecutor:
     back (a Session's lock connection: one switch per lock, not two per statement).
     """
 
-    __slots__ = ("fairy", "inside", "persist")
+    __slots__ = ("_executor", "fairy", "inside", "persist")
 
     def __init__(
         self, fairy: PoolProxiedConnection, inside: Callable[[], bool], *, persist: bool = False
@@ -566,6 +569,7 @@ class _AutocommitExecutor:
         self.fairy = fairy
         self.inside = inside
         self.persist = persist
+        self._executor = executor_for(fairy, fairy.info)
 
     @property
     def state(self) -> dict[str, Any]:
@@ -574,8 +578,10 @@ class _AutocommitExecutor:
     def execute(self, statement: Statement) -> object:
         fairy = self.fairy
         info = fairy.info
-        executor = executor_for(fairy, info)
         dbapi = fairy.dbapi_connection
+        executor = self._executor
+        if executor.connection is not dbapi:  # the checkout now holds another connection
+            executor = self._executor = executor_for(fairy, info)
         # In autocommit already, or inside a transaction the statement joins: it runs as
         # it is either way (the cheaper question first).
         if AUTOCOMMIT_INFO_KEY in info or driver_autocommit(dbapi) or self.inside():
