@@ -25,11 +25,9 @@ from django.db import transaction as django_transaction
 from advisory_locks._core.advisory import AdvisoryLock
 from advisory_locks._core.connection import AbandonableWait, Holding
 from advisory_locks._core.contract import (
-    LockOptions,
     Timeout,
+    lock_options,
     not_acquired_error,
-    validate_flags,
-    validate_timeout,
 )
 from advisory_locks.errors import (
     AdvisoryLockError,
@@ -179,7 +177,7 @@ class DjangoAdvisoryLock:
         if not isinstance(using, str):
             raise TypeError(f"using must be a database alias, not {type(using).__name__}")
         self.using = using
-        self._options = _lock_options(
+        self._options = lock_options(
             defaults.timeout if timeout is DEFAULT else timeout,
             shared,
             defaults.transaction if isinstance(transaction, _Default) else transaction,
@@ -576,39 +574,6 @@ class DjangoAdvisoryLock:
             return f"<DjangoAdvisoryLock {self._name!r} using={self.using!r}>"
         state = "held" if self.held else "not held"
         return f"<DjangoAdvisoryLock {self.name!r} key={self.key!r} using={self.using!r} {state}>"
-
-
-# Validated options, one per combination this process uses (a handful), so a lock made
-# with the same options as an earlier one is not validated again. Keyed with the types
-# too: True == 1, and 5 == 5.0, must not stand in for each other.
-_OPTIONS: dict[tuple[object, ...], LockOptions] = {}
-_OPTIONS_KEPT: Final = 128
-
-
-def _lock_options(timeout: object, shared: object, transaction: object) -> LockOptions:
-    """``LockOptions`` for a lock, validated (raise TypeError/ValueError) the first time."""
-    entry: tuple[object, ...] | None = (
-        timeout,
-        shared,
-        transaction,
-        type(timeout),
-        type(shared),
-        type(transaction),
-    )
-    try:
-        options = _OPTIONS.get(entry)  # type: ignore[arg-type]
-    except TypeError:  # unhashable: the validation says what is wrong with it
-        entry = options = None
-    if options is None:
-        # The timeout first, then the flags, as the errors always came.
-        validate_timeout(timeout)
-        validate_flags(shared=shared, transaction=transaction)
-        options = LockOptions(timeout=timeout, shared=shared, transaction=transaction)  # type: ignore[arg-type]
-        if entry is not None:
-            if len(_OPTIONS) >= _OPTIONS_KEPT:
-                _OPTIONS.clear()  # timeouts computed per call: keep the cache small
-            _OPTIONS[entry] = options
-    return options
 
 
 def _name_factory(

@@ -62,6 +62,7 @@ def lock_options(timeout: object, shared: object, transaction: object) -> LockOp
         return _made[key]
     except (KeyError, TypeError):  # TypeError: an unhashable timeout, refused below
         pass
+    validate_timeout(timeout)  # the timeout's error first, as Django's locks always said
     options = LockOptions(timeout, shared, transaction)  # type: ignore[arg-type]
     if len(_made) < _MADE_LIMIT:
         _made[key] = options
