@@ -80,6 +80,8 @@ class Holding:
     source: EventSource | None = None
     end_reported: bool = False
     loss_reported: bool = False
+    # Where its connection's state files it (ConnectionState._entry), set when added.
+    entry: HoldingKey | None = None
 
     def event(
         self,
@@ -188,17 +190,20 @@ class ConnectionState:
         return holding if holding is not None and holding.active else None
 
     def add(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding:
+        entry = self._entry(key, shared, transaction)
         with self.mutex:
-            holding = Holding(key, shared, transaction, depth=len(self.savepoints))
-            self.holdings[self._entry(key, shared, transaction)] = holding
+            holding = Holding(key, shared, transaction, depth=len(self.savepoints), entry=entry)
+            self.holdings[entry] = holding
             return holding
 
     def forget(self, holding: Holding) -> None:
+        entry = holding.entry
+        if entry is None:
+            entry = self._entry(holding.key, holding.shared, holding.transaction)
         with self.mutex:
             holding.active = False
-            entry_key = self._entry(holding.key, holding.shared, holding.transaction)
-            if self.holdings.get(entry_key) is holding:
-                del self.holdings[entry_key]
+            if self.holdings.get(entry) is holding:
+                del self.holdings[entry]
 
     def end(self, holding: Holding, reason: str) -> None:
         """The server no longer holds ``holding`` (``reason`` as a ``released`` event
