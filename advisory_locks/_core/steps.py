@@ -11,7 +11,7 @@ and async, run one implementation of every rule, and neither needs greenlet.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Generator, Sequence
-from typing import Any, Final, Protocol, TypeAlias, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeAlias, TypeVar
 
 __all__ = [
     "ROWS",
@@ -21,6 +21,7 @@ __all__ = [
     "AsyncSite",
     "Borrow",
     "Executor",
+    "On",
     "Settle",
     "Site",
     "Statement",
@@ -95,8 +96,8 @@ class Settle:
         self.borrowed = borrowed
 
 
-# A statement is yielded together with the executor it must run on.
-Request: TypeAlias = "tuple[Any, Statement] | Borrow | Settle"
+# What steps yield to their driver (On: a backend's statements on an executor).
+Request: TypeAlias = "On[Any] | Borrow | Settle"
 Steps: TypeAlias = Generator[Any, Any, T]
 
 
@@ -108,34 +109,63 @@ class AsyncSite(Protocol):
     async def aborrow(self, *, transaction: bool) -> Any: ...
 
 
-def on(executor: object, steps: Generator[Statement, Any, T]) -> Steps[T]:
-    """Run a backend's statement steps on ``executor`` (tags each statement with it)."""
-    result: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            statement = steps.send(result) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        try:
-            result, error = (yield (executor, statement)), None
-        except BaseException as raised:
-            result, error = None, raised
+class On(Generic[T]):
+    """Run a backend's statement steps on ``executor``: ``yield from on(...)`` hands them
+    to the driver, which performs every statement they yield (throwing a statement's
+    error back into them) and sends their result back once.
+
+    The statements never travel through the generators of the rules that asked for
+    them: a lock's statement resumes one generator, not every frame of the chain.
+    """
+
+    __slots__ = ("executor", "steps")
+
+    def __init__(self, executor: Any, steps: Generator[Statement, Any, T]) -> None:
+        self.executor = executor
+        self.steps = steps
+
+    def __iter__(self) -> Generator[On[T], Any, T]:
+        result: T = yield self
+        return result
 
 
-def run_steps(steps: Steps[T], site: Site | None = None) -> T:
+def on(executor: object, steps: Generator[Statement, Any, T]) -> On[T]:
+    """Run a backend's statement steps on ``executor`` (``yield from on(executor, steps)``)."""
+    return On(executor, steps)
+
+
+def run_steps(steps: Steps[T] | On[T], site: Site | None = None) -> T:
     """Perform every request of ``steps`` with blocking calls; return its result."""
+    requests: Steps[T] = steps.__iter__() if isinstance(steps, On) else steps
     result: Any = None
     error: BaseException | None = None
     while True:
         try:
-            request = steps.send(result) if error is None else steps.throw(error)
+            request = requests.send(result) if error is None else requests.throw(error)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         result = error = None
         try:
-            if type(request) is tuple:
-                result = request[0].execute(request[1])
+            if type(request) is On:
+                # The statements, each answered (or its error thrown back) in turn.
+                statements = request.steps
+                execute = request.executor.execute
+                answer: Any = None
+                failure: BaseException | None = None
+                while True:
+                    try:
+                        statement = (
+                            statements.send(answer)
+                            if failure is None
+                            else statements.throw(failure)
+                        )
+                    except StopIteration as stop:
+                        result = stop.value
+                        break
+                    try:
+                        answer, failure = execute(statement), None
+                    except BaseException as raised:
+                        answer, failure = None, raised
             elif type(request) is Settle:
                 request.borrowed.settle()
             else:
@@ -145,19 +175,37 @@ def run_steps(steps: Steps[T], site: Site | None = None) -> T:
             error = raised
 
 
-async def arun_steps(steps: Steps[T], site: AsyncSite | None = None) -> T:
+async def arun_steps(steps: Steps[T] | On[T], site: AsyncSite | None = None) -> T:
     """Perform every request of ``steps``, awaiting each; return its result."""
+    requests: Steps[T] = steps.__iter__() if isinstance(steps, On) else steps
     result: Any = None
     error: BaseException | None = None
     while True:
         try:
-            request = steps.send(result) if error is None else steps.throw(error)
+            request = requests.send(result) if error is None else requests.throw(error)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         result = error = None
         try:
-            if type(request) is tuple:
-                result = await request[0].execute(request[1])
+            if type(request) is On:
+                statements = request.steps
+                execute = request.executor.execute
+                answer: Any = None
+                failure: BaseException | None = None
+                while True:
+                    try:
+                        statement = (
+                            statements.send(answer)
+                            if failure is None
+                            else statements.throw(failure)
+                        )
+                    except StopIteration as stop:
+                        result = stop.value
+                        break
+                    try:
+                        answer, failure = await execute(statement), None
+                    except BaseException as raised:
+                        answer, failure = None, raised
             elif type(request) is Settle:
                 await request.borrowed.asettle()
             else:
