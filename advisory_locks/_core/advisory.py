@@ -192,8 +192,8 @@ class AdvisoryLock(LockContract):
     # -- the rules, as steps --------------------------------------------------------------
 
     def acquire_steps(self) -> Steps[bool]:
-        borrowed = self._borrowed
-        if borrowed is not None and borrowed.state.inherited:
+        kept = self._borrowed
+        if kept is not None and kept.state.inherited:
             # A forked child's copy of a held lock: the parent holds it, this process
             # does not, so taking it again is a new acquisition, never a re-entry.
             self._count = 0
@@ -211,7 +211,74 @@ class AdvisoryLock(LockContract):
         # No clock is read unless someone listens for events.
         started = time.monotonic() if events.listeners else None
         try:
-            return (yield from self._acquire_once(started))
+            options = self.options
+            try:
+                try:
+                    borrowed: Borrowed = yield Borrow(options.transaction)
+                except LockConnectionLost as lost:
+                    cause = _driver_error(lost)
+                    raise self._connection_lost(cause) from cause
+            except BaseException as error:
+                self._report_refusal(started, None, error)
+                raise
+            state = borrowed.state
+            if state.inherited:
+                borrowed.done()
+                yield Settle(borrowed)
+                raise inherited_connection_error(self.name, state)
+            holding = state.find(
+                self.key_info, shared=options.shared, transaction=options.transaction
+            )
+            if holding is None:
+                backend = self._site.backend
+                try:
+                    granted = yield from on(
+                        borrowed.executor,
+                        backend.acquire(
+                            state.driver_state,
+                            self.key_info,
+                            shared=options.shared,
+                            transaction=options.transaction,
+                            timeout=options.timeout,
+                            in_transaction=borrowed.in_transaction,
+                        ),
+                    )
+                except BaseException as error:
+                    # An interrupted wait (task cancelled, KeyboardInterrupt) leaves the
+                    # server's answer unknown: asyncpg, for one, stops listening while the
+                    # server may still grant the lock. Only discarding the connection ensures
+                    # no one inherits it.
+                    interrupted = not isinstance(error, Exception)
+                    gone = isinstance(error, Exception) and _connection_failed(
+                        backend, borrowed, error
+                    )
+                    if interrupted or gone:
+                        borrowed.broken(error)
+                    else:
+                        borrowed.done()
+                    yield Settle(borrowed)
+                    if gone:
+                        cause = _driver_error(error)
+                        connection_lost = self._connection_lost(cause)
+                        self._report_refusal(started, state, connection_lost)
+                        raise connection_lost from cause
+                    self._report_refusal(started, state, error)
+                    raise
+                if not granted:
+                    borrowed.done()
+                    yield Settle(borrowed)
+                    self._report_refusal(started, state, None)
+                    return False
+                holding = state.add(
+                    self.key_info, shared=options.shared, transaction=options.transaction
+                )
+                if started is not None and events.listeners:
+                    report_grant(holding, self._source(state), time.monotonic() - started)
+            holding.count += 1
+            self._count = 1
+            self._borrowed = borrowed
+            self._holding = holding
+            return True
         finally:
             if not self._count:
                 self._owner = None
@@ -239,72 +306,6 @@ class AdvisoryLock(LockContract):
                 "thread's or connection's); release it through the object that acquired it"
             )
         return LockUsageError(f"{message}: acquire() it first (or it was already released)")
-
-    def _acquire_once(self, started: float | None) -> Steps[bool]:
-        options = self.options
-        try:
-            try:
-                borrowed: Borrowed = yield Borrow(options.transaction)
-            except LockConnectionLost as lost:
-                cause = _driver_error(lost)
-                raise self._connection_lost(cause) from cause
-        except BaseException as error:
-            self._report_refusal(started, None, error)
-            raise
-        state = borrowed.state
-        if state.inherited:
-            borrowed.done()
-            yield Settle(borrowed)
-            raise inherited_connection_error(self.name, state)
-        holding = state.find(self.key_info, shared=options.shared, transaction=options.transaction)
-        if holding is None:
-            backend = self._site.backend
-            try:
-                granted = yield from on(
-                    borrowed.executor,
-                    backend.acquire(
-                        state.driver_state,
-                        self.key_info,
-                        shared=options.shared,
-                        transaction=options.transaction,
-                        timeout=options.timeout,
-                        in_transaction=borrowed.in_transaction,
-                    ),
-                )
-            except BaseException as error:
-                # An interrupted wait (task cancelled, KeyboardInterrupt) leaves the
-                # server's answer unknown: asyncpg, for one, stops listening while the
-                # server may still grant the lock. Only discarding the connection ensures
-                # no one inherits it.
-                interrupted = not isinstance(error, Exception)
-                gone = isinstance(error, Exception) and _connection_failed(backend, borrowed, error)
-                if interrupted or gone:
-                    borrowed.broken(error)
-                else:
-                    borrowed.done()
-                yield Settle(borrowed)
-                if gone:
-                    cause = _driver_error(error)
-                    connection_lost = self._connection_lost(cause)
-                    self._report_refusal(started, state, connection_lost)
-                    raise connection_lost from cause
-                self._report_refusal(started, state, error)
-                raise
-            if not granted:
-                borrowed.done()
-                yield Settle(borrowed)
-                self._report_refusal(started, state, None)
-                return False
-            holding = state.add(
-                self.key_info, shared=options.shared, transaction=options.transaction
-            )
-            if started is not None and events.listeners:
-                report_grant(holding, self._source(state), time.monotonic() - started)
-        holding.count += 1
-        self._count = 1
-        self._borrowed = borrowed
-        self._holding = holding
-        return True
 
     def _source(self, state: ConnectionState | None) -> EventSource:
         site = self._site
@@ -384,9 +385,6 @@ class AdvisoryLock(LockContract):
                 "connection failed, was closed, or was returned to the pool)",
                 name=self.name,
             )
-        yield from self._unlock(holding, borrowed)
-
-    def _unlock(self, holding: Holding, borrowed: Borrowed) -> Steps[None]:
         backend = self._site.backend
         state = borrowed.state
         try:
