@@ -639,20 +639,33 @@ class PooledBorrow(_SettledAtOnce):
     It goes back to the pool once every lock it was lent to is done with it.
     """
 
-    __slots__ = ("__weakref__", "_out", "_users", "engine", "executor", "fairy", "shared", "state")
+    __slots__ = (
+        "__weakref__",
+        "_out",
+        "_registry",
+        "_users",
+        "engine",
+        "executor",
+        "fairy",
+        "shared",
+        "state",
+    )
 
     def __init__(self, engine: Engine, backend: Backend, keys: tuple[LockKey, ...]) -> None:
         self.engine = engine
+        self._registry = _engine_borrows(engine)
         self.fairy = fairy = _check_out(engine, keys)
         self._out = True
         self._users = 0
-        self.state = connection_state(fairy.info, backend, fairy)
+        info = fairy.info
+        driver = fairy.driver_connection
+        self.state = connection_state(info, backend, fairy)
         self.shared = (
             isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
-            or driver_in_transaction(fairy.driver_connection) is True
+            or driver_in_transaction(driver) is True
         )
         if self.shared:
-            _lock_checkouts(fairy.info).add(self)
+            _lock_checkouts(info).add(self)
         try:
             dbapi = fairy.dbapi_connection
             if self.shared:
@@ -665,12 +678,10 @@ class PooledBorrow(_SettledAtOnce):
                 )
             else:
                 if backend.locks_on_server and not driver_autocommit(dbapi):
-                    fairy.info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
-                self.executor = executor_for(fairy, fairy.info)
+                    info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
+                self.executor = executor_for(fairy, info)
             pooler = _declared_pooler(engine.get_execution_options())
-            _check_server_once(
-                self.state, self.executor, fairy.driver_connection, pooler, session_lock=True
-            )
+            _check_server_once(self.state, self.executor, driver, pooler, session_lock=True)
         except BaseException as error:
             if isinstance(error, Exception) and (
                 backend.is_connection_failure(error) or self.is_disconnect(error)
@@ -682,7 +693,7 @@ class PooledBorrow(_SettledAtOnce):
                 raise LockConnectionLost(str(error)) from error
             self._give_back()
             raise
-        _engine_borrows(engine).add(self)
+        self._registry.add(self)
 
     def lend(self) -> PooledBorrow:
         self._users += 1
@@ -700,7 +711,7 @@ class PooledBorrow(_SettledAtOnce):
         if not self._out:
             return
         self._out = False
-        _engine_borrows(self.engine).discard(self)
+        self._registry.discard(self)
         if self.shared:  # only a shared connection's borrow was added (see __init__)
             _lock_checkouts(self.fairy.info).discard(self)
         _give_back(self.fairy, shared=self.shared)
@@ -715,7 +726,7 @@ class PooledBorrow(_SettledAtOnce):
         if not self._out:
             return
         self._out = False
-        _engine_borrows(self.engine).discard(self)
+        self._registry.discard(self)
         fairy = self.fairy
         if fairy.dbapi_connection is None:
             return
@@ -762,15 +773,19 @@ def _own_connection(engine: Engine) -> PoolProxiedConnection:
         fairy.close()
 
 
-_borrows_by_engine: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[PooledBorrow]] = (
-    weakref.WeakKeyDictionary()
-)
+# Each engine's lock borrows, by id(engine): a WeakKeyDictionary would make a weak
+# reference to the engine at every lookup, twice per Engine lock. The entry goes when
+# the engine does (its id cannot be reused before then).
+_borrows_by_engine: dict[int, weakref.WeakSet[PooledBorrow]] = {}
 
 
 def _engine_borrows(engine: Engine) -> weakref.WeakSet[PooledBorrow]:
-    borrows = _borrows_by_engine.get(engine)
+    borrows = _borrows_by_engine.get(id(engine))
     if borrows is None:
-        borrows = _borrows_by_engine[engine] = weakref.WeakSet()
+        made: weakref.WeakSet[PooledBorrow] = weakref.WeakSet()
+        borrows = _borrows_by_engine.setdefault(id(engine), made)
+        if borrows is made:
+            weakref.finalize(engine, _borrows_by_engine.pop, id(engine), None)
     return borrows
 
 
