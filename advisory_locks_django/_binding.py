@@ -549,6 +549,7 @@ class DjangoBorrow:
 
     executor: DjangoExecutor
     state: DjangoConnectionLocks
+    settled_by_done = True  # done() and settle() do nothing: the connection stays Django's
 
     def __init__(
         self,

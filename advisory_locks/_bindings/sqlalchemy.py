@@ -458,6 +458,7 @@ class _SettledAtOnce:
     """A borrowed connection whose give-back is a blocking call made at once."""
 
     __slots__ = ()
+    settled_by_done = True
 
     def settle(self) -> None:
         pass

@@ -84,7 +84,12 @@ class Borrowed(Protocol):
     in_transaction: bool
 
     def done(self) -> None:
-        """The lock no longer needs the connection (given back at ``settle``)."""
+        """The lock no longer needs the connection (given back at ``settle``).
+
+        A borrowed connection whose ``done`` gives it back itself, leaving ``settle``
+        nothing to do, may say so with a class attribute ``settled_by_done = True``:
+        a released lock then skips that request.
+        """
 
     def broken(self, error: BaseException) -> None:
         """The connection failed; it must never go back to a pool as if healthy."""
@@ -426,7 +431,8 @@ class AdvisoryLock(LockContract):
             raise
         state.end(holding, "unlock" if released else "lost")
         borrowed.done()
-        yield Settle(borrowed)
+        if not getattr(borrowed, "settled_by_done", False):
+            yield Settle(borrowed)
         if not released:
             self._report_loss(holding, state, "not_held", None)
             raise LockLost(
