@@ -10,7 +10,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Hashable
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any, Final
 
 from advisory_locks._core.contract import Timeout
@@ -148,7 +148,7 @@ class PostgresBackend:
                 yield Statement(
                     VALUE,
                     _statement(TIMEOUT_LOCK_SQL, function, key),
-                    (*key.ints, str(_timeout_ms(timeout))),
+                    (*key.ints, _timeout_text(timeout)),
                 )
         except Exception as error:
             if in_transaction and not self.is_connection_failure(error):
@@ -373,6 +373,12 @@ def _literals(key: LockKey) -> str:
 
 def _timeout_ms(timeout: float) -> int:
     return max(1, math.ceil(timeout * 1000))
+
+
+@lru_cache(maxsize=64)
+def _timeout_text(timeout: float) -> str:
+    # lock_timeout as set_config() takes it; an application uses a few timeouts.
+    return str(_timeout_ms(timeout))
 
 
 def _seconds(value: object) -> float | None:
