@@ -181,6 +181,7 @@ class DjangoAdvisoryLock:
             defaults.timeout if timeout is DEFAULT else timeout,
             shared,
             defaults.transaction if isinstance(transaction, _Default) else transaction,
+            timeout_first=True,
         )
         self.timeout = self._options.timeout
         self.transaction = self._options.transaction

@@ -50,7 +50,9 @@ _made: dict[tuple[object, ...], LockOptions] = {}
 _MADE_LIMIT = 256
 
 
-def lock_options(timeout: object, shared: object, transaction: object) -> LockOptions:
+def lock_options(
+    timeout: object, shared: object, transaction: object, *, timeout_first: bool = False
+) -> LockOptions:
     """``LockOptions(...)``, validated once per distinct set of options: an application
     takes its locks with a handful of them, and validating costs more than looking up.
 
@@ -62,7 +64,8 @@ def lock_options(timeout: object, shared: object, transaction: object) -> LockOp
         return _made[key]
     except (KeyError, TypeError):  # TypeError: an unhashable timeout, refused below
         pass
-    validate_timeout(timeout)  # the timeout's error first, as Django's locks always said
+    if timeout_first:  # Django's locks always named a bad timeout before a bad flag
+        validate_timeout(timeout)
     options = LockOptions(timeout, shared, transaction)  # type: ignore[arg-type]
     if len(_made) < _MADE_LIMIT:
         _made[key] = options
