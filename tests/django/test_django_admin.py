@@ -235,6 +235,7 @@ def test_staff_see_a_lock_held_by_another_connection_in_a_browser(
     waiter: psycopg.Connection[TupleRow],
     lease_engine: Engine,
 ) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -243,8 +244,15 @@ def test_staff_see_a_lock_held_by_another_connection_in_a_browser(
     key = lock_key(held_elsewhere)
 
     def row_of(page: Any, pid: int) -> str:
-        rows = page.find_elements(By.CSS_SELECTOR, "#database-default tbody tr")
-        return next((row.text for row in rows if f" {pid} " in f" {row.text} "), "")
+        # The page reloads itself every second: a row found just before a reload is gone
+        # by the time its text is read, so the rows are found again.
+        for _ in range(10):
+            rows = page.find_elements(By.CSS_SELECTOR, "#database-default tbody tr")
+            try:
+                return next((row.text for row in rows if f" {pid} " in f" {row.text} "), "")
+            except StaleElementReferenceException:
+                continue
+        raise AssertionError("the lock table was replaced under every read of it")
 
     # The browser first: where it is missing, nothing is left waiting on a lock.
     with (
