@@ -5,6 +5,7 @@ refreshing itself, and a screenshot kept in artifacts/."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -235,7 +236,7 @@ def test_staff_see_a_lock_held_by_another_connection_in_a_browser(
     waiter: psycopg.Connection[TupleRow],
     lease_engine: Engine,
 ) -> None:
-    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -243,16 +244,24 @@ def test_staff_see_a_lock_held_by_another_connection_in_a_browser(
     held_elsewhere, held_here = unique_name("report"), unique_name("checkout")
     key = lock_key(held_elsewhere)
 
-    def row_of(page: Any, pid: int) -> str:
-        # The page reloads itself every second: a row found just before a reload is gone
-        # by the time its text is read, so the rows are found again.
-        for _ in range(10):
-            rows = page.find_elements(By.CSS_SELECTOR, "#database-default tbody tr")
+    def texts(page: Any, selector: str) -> list[str]:
+        # The page reloads itself every second, so an element found before a reload is
+        # gone when its text is read. One script reads every match at once; a read that
+        # met a reload, or a page still loading, is tried again.
+        script = "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.innerText)"
+        for _ in range(30):
             try:
-                return next((row.text for row in rows if f" {pid} " in f" {row.text} "), "")
-            except StaleElementReferenceException:
-                continue
-        raise AssertionError("the lock table was replaced under every read of it")
+                found: list[str] = page.execute_script(script, selector)
+            except WebDriverException:
+                found = []
+            if found:
+                return found
+            time.sleep(0.1)
+        return []
+
+    def row_of(page: Any, pid: int) -> str:
+        rows = texts(page, "#database-default tbody tr")
+        return next((row for row in rows if f" {pid} " in f" {' '.join(row.split())} "), "")
 
     # The browser first: where it is missing, nothing is left waiting on a lock.
     with (
@@ -285,14 +294,12 @@ def test_staff_see_a_lock_held_by_another_connection_in_a_browser(
             waiting = row_of(browser, waiter.info.backend_pid)
             assert "waiting" in waiting
             assert "report-mailer" in waiting
-            assert held_here in browser.find_element(By.ID, "database-default").text  # named
-            sqlite = browser.find_element(By.ID, "database-sqlite").text
+            assert held_here in "".join(texts(browser, "#database-default"))  # named
+            sqlite = "".join(texts(browser, "#database-sqlite"))
             assert "Locks cannot be listed on this database" in sqlite
-            leases = browser.find_element(
-                By.CSS_SELECTOR, "#database-default table.advisory-locks-leases"
-            )
-            assert "cron:nightly-report" in leases.text
-            assert str(lease.token) in leases.text
+            leases = "".join(texts(browser, "#database-default table.advisory-locks-leases"))
+            assert "cron:nightly-report" in leases
+            assert str(lease.token) in leases
             browser.save_screenshot(str(artifacts_directory() / "admin-database-locks.png"))
         finally:
             # The page refreshes itself: once the first program lets go, the second holds.
