@@ -208,6 +208,83 @@ def test_session_lock_on_an_idle_connection_opens_no_transaction(
             assert backend_state(pg_admin, pid) == "idle"
 
 
+def test_connection_runs_its_next_transaction_in_its_own_mode_after_a_lock(
+    pg_engine: Engine, pg_admin: Admin
+) -> None:
+    # The lock's statements ran in autocommit and may leave the driver so until the next
+    # transaction: that transaction must still be one (not autocommitted statements).
+    with pg_engine.connect() as connection:
+        pid = backend_pid(connection)
+        for _ in range(2):  # the first lock switches the mode, the second finds it switched
+            with advisory_lock(connection, unique_name(), timeout=1):
+                pass
+            connection.execute(text("SELECT 1"))
+            assert driver_transaction_status(connection) == TransactionStatus.INTRANS
+            assert backend_state(pg_admin, pid) == "idle in transaction"
+            connection.rollback()
+            assert backend_state(pg_admin, pid) == "idle"
+
+
+def test_connection_isolation_level_set_after_a_lock_is_the_one_in_force(
+    pg_engine: Engine, pg_admin: Admin
+) -> None:
+    with pg_engine.connect() as connection:
+        pid = backend_pid(connection)
+        with advisory_lock(connection, unique_name(), timeout=1):
+            pass
+        connection.execution_options(isolation_level="AUTOCOMMIT")
+        connection.execute(text("SELECT 1"))
+        # Not turned back to the mode the connection had before the lock.
+        assert driver_transaction_status(connection) == TransactionStatus.IDLE
+        assert backend_state(pg_admin, pid) == "idle"
+        connection.commit()  # SQLAlchemy's logical transaction, even in AUTOCOMMIT
+        connection.execution_options(isolation_level="SERIALIZABLE")
+        with advisory_lock(connection, unique_name(), timeout=1):
+            pass
+        connection.execute(text("SELECT 1"))
+        level = connection.execute(text("SHOW transaction_isolation")).scalar()
+        assert (level, driver_transaction_status(connection)) == (
+            "serializable",
+            TransactionStatus.INTRANS,
+        )
+        connection.rollback()
+
+
+def test_transaction_lock_after_a_session_lock_on_the_same_connection(
+    pg_engine: Engine, pg_admin: Admin
+) -> None:
+    name = unique_name()
+    with pg_engine.connect() as connection:
+        pid = backend_pid(connection)
+        with advisory_lock(connection, unique_name(), timeout=1):
+            pass
+        lock = advisory_lock(connection, name, transaction=True)
+        assert lock.acquire()
+        assert connection.in_transaction()
+        assert driver_transaction_status(connection) == TransactionStatus.INTRANS
+        lock.release()
+        assert holder_pids(pg_admin, name) == [pid]  # until the transaction ends
+        connection.commit()
+        assert lock_rows(pg_admin, name) == []
+
+
+def test_release_after_a_transaction_inside_the_block_leaves_the_connection_idle(
+    pg_engine: Engine, pg_admin: Admin
+) -> None:
+    name = unique_name()
+    with pg_engine.connect() as connection:
+        pid = backend_pid(connection)
+        with advisory_lock(connection, unique_name(), timeout=1):
+            pass  # leaves the mode switched for the next lock
+        with advisory_lock(connection, name, timeout=1):
+            connection.execute(text("SELECT 1"))
+            connection.commit()
+        assert lock_rows(pg_admin, name) == []
+        assert not connection.in_transaction()
+        assert driver_transaction_status(connection) == TransactionStatus.IDLE
+        assert backend_state(pg_admin, pid) == "idle"
+
+
 # -- (b) no pooled connection goes back to the pool holding a lock -------------------------
 
 

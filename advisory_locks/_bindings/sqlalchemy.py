@@ -485,7 +485,10 @@ class ConnectionBorrow(_SettledAtOnce):
             # it (the lock refuses it, naming itself).
             self.in_transaction = False
             return
-        if driver_autocommit(dbapi):
+        if AUTOCOMMIT_INFO_KEY not in info and driver_autocommit(dbapi):
+            # In autocommit as the application configured it (not as an earlier lock
+            # left it: that mode goes when a transaction begins, so it needs the
+            # executor that switches).
             if transaction:
                 raise UnsupportedFeature(
                     "transaction=True needs a transaction, but this connection is in "
@@ -504,8 +507,17 @@ class ConnectionBorrow(_SettledAtOnce):
         else:
             # A session lock must not open a transaction that SQLAlchemy does not know
             # about, on an idle connection or at a release after the caller's transaction
-            # ended; it runs as autocommit whenever no transaction is open.
-            self.executor = _AutocommitExecutor(fairy, self._inside_transaction)
+            # ended; it runs as autocommit whenever no transaction is open. The mode stays
+            # switched until SQLAlchemy next begins a transaction on the connection or
+            # takes it back (the "begin" and "checkin" hooks below put it back first), so
+            # that a lock and its release switch once, not around each statement; on a
+            # single-connection pool others may use the driver connection without
+            # SQLAlchemy, so there it is put back after each statement.
+            self.executor = _AutocommitExecutor(
+                fairy,
+                self._inside_transaction,
+                persist=not isinstance(connection.engine.pool, SINGLE_CONNECTION_POOLS),
+            )
         pooler = _declared_pooler(connection.get_execution_options())
         _check_server_once(state, self.executor, self.driver, pooler, session_lock=not transaction)
         self.in_transaction = transaction or self._inside_transaction()
@@ -1268,6 +1280,14 @@ def _transaction_began(connection: Connection) -> None:
     if state is not None and state.pending_release:
         fairy = connection.connection
         run_steps(finish_pending_releases(state, executor_for(fairy, fairy.info)))
+
+
+@event.listens_for(Engine, "set_connection_execution_options")
+def _isolation_level_set(connection: Connection, options: dict[str, Any]) -> None:
+    if "isolation_level" in options and not (connection.closed or connection.invalidated):
+        # SQLAlchemy is about to set the driver's mode itself (AUTOCOMMIT or not): the
+        # mode a lock's statements left behind must not be put back over it later.
+        connection.info.pop(AUTOCOMMIT_INFO_KEY, None)
 
 
 @event.listens_for(Engine, "before_execute")
