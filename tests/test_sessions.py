@@ -75,6 +75,13 @@ def driver_transaction_status(connection: Connection) -> TransactionStatus:
     return connection.connection.dbapi_connection.info.transaction_status  # type: ignore[union-attr,no-any-return]
 
 
+def assert_idle(connection: Connection, admin: Admin, pid: int) -> None:
+    """No transaction open on ``connection``: not in SQLAlchemy, the driver or the server."""
+    assert not connection.in_transaction()
+    assert driver_transaction_status(connection) == TransactionStatus.IDLE
+    assert backend_state(admin, pid) == "idle"
+
+
 @pytest.fixture
 def make_engine(postgres_url: URL) -> Iterator[Callable[..., Engine]]:
     """Engines a test configures itself (pool size, application_name); disposed after."""
@@ -193,9 +200,7 @@ def test_release_after_the_locking_transaction_ended_leaves_the_connection_idle(
             lock.acquire()
         lock.release()
         # The unlock must not open a transaction SQLAlchemy does not know about.
-        assert not connection.in_transaction()
-        assert driver_transaction_status(connection) == TransactionStatus.IDLE
-        assert backend_state(pg_admin, pid) == "idle"
+        assert_idle(connection, pg_admin, pid)
 
 
 def test_session_lock_on_an_idle_connection_opens_no_transaction(
@@ -280,9 +285,7 @@ def test_release_after_a_transaction_inside_the_block_leaves_the_connection_idle
             connection.execute(text("SELECT 1"))
             connection.commit()
         assert lock_rows(pg_admin, name) == []
-        assert not connection.in_transaction()
-        assert driver_transaction_status(connection) == TransactionStatus.IDLE
-        assert backend_state(pg_admin, pid) == "idle"
+        assert_idle(connection, pg_admin, pid)
 
 
 # -- (b) no pooled connection goes back to the pool holding a lock -------------------------
