@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 from advisory_locks._core import events
 from advisory_locks._core.connection import (
@@ -34,7 +34,7 @@ from advisory_locks._core.contract import (
     validate_timeout,
 )
 from advisory_locks._core.events import EventSource, LockEvent
-from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
+from advisory_locks._core.steps import Borrow, Settle, Steps, on, perform, run_steps
 from advisory_locks._dialects.base import WAIT_CANCELLED_STATE
 from advisory_locks.errors import (
     LockConnectionLost,
@@ -171,11 +171,79 @@ class AdvisoryLock(LockContract):
 
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
-        return run_steps(self.acquire_steps(), self._site)
+        # The rules of acquire_steps() (the async lock's and a lock set's path), run with
+        # blocking calls directly: no step driver between the lock and its connection.
+        if self._reenter():
+            return True
+        site = self._site
+        options = self.options
+        # No clock is read unless someone listens for events.
+        started = time.monotonic() if events.listeners else None
+        try:
+            try:
+                borrowed: Borrowed = site.borrow(transaction=options.transaction)
+            except BaseException as error:
+                self._borrow_failed(started, error)
+            state = borrowed.state
+            if state.inherited:
+                run_steps(self._refuse_inherited(borrowed), site)
+            holding = state.find(
+                self.key_info, shared=options.shared, transaction=options.transaction
+            )
+            if holding is None:
+                try:
+                    granted = perform(
+                        borrowed.executor,
+                        site.backend.acquire(
+                            state.driver_state,
+                            self.key_info,
+                            shared=options.shared,
+                            transaction=options.transaction,
+                            timeout=options.timeout,
+                            in_transaction=borrowed.in_transaction,
+                        ),
+                    )
+                except BaseException as error:
+                    run_steps(self._acquire_failed(started, borrowed, error), site)
+                if not granted:
+                    run_steps(self._refused(started, borrowed), site)
+                    return False
+                holding = self._granted(started, state)
+            holding.count += 1
+            self._count = 1
+            self._borrowed = borrowed
+            self._holding = holding
+            return True
+        finally:
+            if not self._count:
+                self._owner = None
 
     def release(self) -> None:
         """Give the lock back (a transaction lock stays with its transaction)."""
-        run_steps(self.release_steps(), self._site)
+        # The rules of release_steps(), run with blocking calls directly.
+        let_go = self._let_go()
+        if let_go is None:
+            return
+        holding, borrowed = let_go
+        site = self._site
+        state = borrowed.state
+        if holding.count > 0 or holding.transaction or state.inherited or not holding.active:
+            run_steps(self._release_without_unlock(holding, borrowed), site)
+            return
+        try:
+            released = perform(
+                borrowed.executor,
+                site.backend.release(state.driver_state, self.key_info, shared=self.options.shared),
+            )
+        except BaseException as error:
+            run_steps(self._release_failed(holding, borrowed, error), site)
+            return
+        state.end(holding, "unlock" if released else "lost")
+        borrowed.done()
+        if not getattr(borrowed, "settled_by_done", False):
+            borrowed.settle()
+        if not released:
+            raise self._not_released(holding, state)
 
     def ensure_held(self) -> None:
         """Ask the server whether it still holds this lock; raise LockLost if not.
@@ -197,6 +265,54 @@ class AdvisoryLock(LockContract):
     # -- the rules, as steps --------------------------------------------------------------
 
     def acquire_steps(self) -> Steps[bool]:
+        if self._reenter():
+            return True
+        options = self.options
+        # No clock is read unless someone listens for events.
+        started = time.monotonic() if events.listeners else None
+        try:
+            try:
+                borrowed: Borrowed = yield Borrow(options.transaction)
+            except BaseException as error:
+                self._borrow_failed(started, error)
+            state = borrowed.state
+            if state.inherited:
+                yield from self._refuse_inherited(borrowed)
+            holding = state.find(
+                self.key_info, shared=options.shared, transaction=options.transaction
+            )
+            if holding is None:
+                try:
+                    granted = yield from on(
+                        borrowed.executor,
+                        self._site.backend.acquire(
+                            state.driver_state,
+                            self.key_info,
+                            shared=options.shared,
+                            transaction=options.transaction,
+                            timeout=options.timeout,
+                            in_transaction=borrowed.in_transaction,
+                        ),
+                    )
+                except BaseException as error:
+                    yield from self._acquire_failed(started, borrowed, error)
+                if not granted:
+                    return (yield from self._refused(started, borrowed))
+                holding = self._granted(started, state)
+            holding.count += 1
+            self._count = 1
+            self._borrowed = borrowed
+            self._holding = holding
+            return True
+        finally:
+            if not self._count:
+                self._owner = None
+
+    # The parts of an acquire that both ways of running it share.
+
+    def _reenter(self) -> bool:
+        """Claim the object for this thread or task; True when it already holds the lock
+        (a re-entry: counted, no request)."""
         kept = self._borrowed
         if kept is not None and kept.state.inherited:
             # A forked child's copy of a held lock: the parent holds it, this process
@@ -213,80 +329,62 @@ class AdvisoryLock(LockContract):
             holding.count += 1
             return True
         self._count = 0
-        # No clock is read unless someone listens for events.
-        started = time.monotonic() if events.listeners else None
-        try:
-            options = self.options
-            try:
-                try:
-                    borrowed: Borrowed = yield Borrow(options.transaction)
-                except LockConnectionLost as lost:
-                    cause = _driver_error(lost)
-                    raise self._connection_lost(cause) from cause
-            except BaseException as error:
-                self._report_refusal(started, None, error)
-                raise
-            state = borrowed.state
-            if state.inherited:
-                borrowed.done()
-                yield Settle(borrowed)
-                raise inherited_connection_error(self.name, state)
-            holding = state.find(
-                self.key_info, shared=options.shared, transaction=options.transaction
-            )
-            if holding is None:
-                backend = self._site.backend
-                try:
-                    granted = yield from on(
-                        borrowed.executor,
-                        backend.acquire(
-                            state.driver_state,
-                            self.key_info,
-                            shared=options.shared,
-                            transaction=options.transaction,
-                            timeout=options.timeout,
-                            in_transaction=borrowed.in_transaction,
-                        ),
-                    )
-                except BaseException as error:
-                    # An interrupted wait (task cancelled, KeyboardInterrupt) leaves the
-                    # server's answer unknown: asyncpg, for one, stops listening while the
-                    # server may still grant the lock. Only discarding the connection ensures
-                    # no one inherits it.
-                    interrupted = not isinstance(error, Exception)
-                    gone = isinstance(error, Exception) and _connection_failed(
-                        backend, borrowed, error
-                    )
-                    if interrupted or gone:
-                        borrowed.broken(error)
-                    else:
-                        borrowed.done()
-                    yield Settle(borrowed)
-                    if gone:
-                        cause = _driver_error(error)
-                        connection_lost = self._connection_lost(cause)
-                        self._report_refusal(started, state, connection_lost)
-                        raise connection_lost from cause
-                    self._report_refusal(started, state, error)
-                    raise
-                if not granted:
-                    borrowed.done()
-                    yield Settle(borrowed)
-                    self._report_refusal(started, state, None)
-                    return False
-                holding = state.add(
-                    self.key_info, shared=options.shared, transaction=options.transaction
-                )
-                if started is not None and events.listeners:
-                    report_grant(holding, self._source(state), time.monotonic() - started)
-            holding.count += 1
-            self._count = 1
-            self._borrowed = borrowed
-            self._holding = holding
-            return True
-        finally:
-            if not self._count:
-                self._owner = None
+        return False
+
+    def _borrow_failed(self, started: float | None, error: BaseException) -> NoReturn:
+        """The binding could not lend a connection: report it, and raise what it means."""
+        if isinstance(error, LockConnectionLost):
+            cause = _driver_error(error)
+            connection_lost = self._connection_lost(cause)
+            self._report_refusal(started, None, connection_lost)
+            raise connection_lost from cause
+        self._report_refusal(started, None, error)
+        raise error
+
+    def _refuse_inherited(self, borrowed: Borrowed) -> Steps[NoReturn]:
+        """A forked child may not lock on its parent's connection."""
+        borrowed.done()
+        yield Settle(borrowed)
+        raise inherited_connection_error(self.name, borrowed.state)
+
+    def _acquire_failed(
+        self, started: float | None, borrowed: Borrowed, error: BaseException
+    ) -> Steps[NoReturn]:
+        """The lock statement raised: settle the connection as the error says, then raise."""
+        state = borrowed.state
+        backend = self._site.backend
+        # An interrupted wait (task cancelled, KeyboardInterrupt) leaves the server's
+        # answer unknown: asyncpg, for one, stops listening while the server may still
+        # grant the lock. Only discarding the connection ensures no one inherits it.
+        interrupted = not isinstance(error, Exception)
+        gone = isinstance(error, Exception) and _connection_failed(backend, borrowed, error)
+        if interrupted or gone:
+            borrowed.broken(error)
+        else:
+            borrowed.done()
+        yield Settle(borrowed)
+        if gone:
+            cause = _driver_error(error)
+            connection_lost = self._connection_lost(cause)
+            self._report_refusal(started, state, connection_lost)
+            raise connection_lost from cause
+        self._report_refusal(started, state, error)
+        raise error
+
+    def _refused(self, started: float | None, borrowed: Borrowed) -> Steps[bool]:
+        """The lock stayed busy: give the connection back; False."""
+        borrowed.done()
+        yield Settle(borrowed)
+        self._report_refusal(started, borrowed.state, None)
+        return False
+
+    def _granted(self, started: float | None, state: ConnectionState) -> Holding:
+        """The server granted the lock: record it on its connection."""
+        options = self.options
+        holding = state.add(self.key_info, shared=options.shared, transaction=options.transaction)
+        if started is not None and events.listeners:
+            report_grant(holding, self._source(state), time.monotonic() - started)
+        return holding
 
     def _claim(self) -> None:
         # A lock object's own count stands for one holder. Shared by two threads (a
@@ -363,6 +461,36 @@ class AdvisoryLock(LockContract):
             report_loss(holding, self._source(state), reason, error)
 
     def release_steps(self) -> Steps[None]:
+        let_go = self._let_go()
+        if let_go is None:
+            return
+        holding, borrowed = let_go
+        state = borrowed.state
+        if holding.count > 0 or holding.transaction or state.inherited or not holding.active:
+            yield from self._release_without_unlock(holding, borrowed)
+            return
+        try:
+            released = yield from on(
+                borrowed.executor,
+                self._site.backend.release(
+                    state.driver_state, self.key_info, shared=self.options.shared
+                ),
+            )
+        except BaseException as error:
+            yield from self._release_failed(holding, borrowed, error)
+            return
+        state.end(holding, "unlock" if released else "lost")
+        borrowed.done()
+        if not getattr(borrowed, "settled_by_done", False):
+            yield Settle(borrowed)
+        if not released:
+            raise self._not_released(holding, state)
+
+    # The parts of a release that both ways of running it share.
+
+    def _let_go(self) -> tuple[Holding, Borrowed] | None:
+        """Count this holder out; the holding and its connection when this object lets go
+        of it (None while an outer holder of this object still counts)."""
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
             raise self._not_held()
@@ -370,75 +498,72 @@ class AdvisoryLock(LockContract):
         self._count -= 1
         holding.count -= 1
         if self._count:
-            return
+            return None
         self._holding = self._borrowed = None
         self._owner = None
+        return holding, borrowed
+
+    def _release_without_unlock(self, holding: Holding, borrowed: Borrowed) -> Steps[None]:
+        """The end of a holding that sends no unlock (see the conditions in release())."""
+        borrowed.done()
+        yield Settle(borrowed)
         if holding.count > 0 or holding.transaction or borrowed.state.inherited:
             # Another holder on this connection still counts on it; a transaction lock
             # is freed by the server when its transaction ends (until then taking it again
             # on this connection is free, so the holding stays registered); and a forked
             # child never gives back its parent's lock.
-            borrowed.done()
-            yield Settle(borrowed)
             return
-        if not holding.active:
-            borrowed.done()
-            yield Settle(borrowed)
-            self._report_loss(holding, borrowed.state, "connection_closed", None)
-            raise LockLost(
-                f"advisory lock {self.name!r} was lost before its block ended (its "
-                "connection failed, was closed, or was returned to the pool)",
-                name=self.name,
-            )
-        backend = self._site.backend
+        self._report_loss(holding, borrowed.state, "connection_closed", None)
+        raise LockLost(
+            f"advisory lock {self.name!r} was lost before its block ended (its "
+            "connection failed, was closed, or was returned to the pool)",
+            name=self.name,
+        )
+
+    def _release_failed(
+        self, holding: Holding, borrowed: Borrowed, error: BaseException
+    ) -> Steps[None]:
+        """The unlock statement raised: decide what that means for the lock."""
         state = borrowed.state
-        try:
-            released = yield from on(
-                borrowed.executor,
-                backend.release(state.driver_state, self.key_info, shared=self.options.shared),
-            )
-        except BaseException as error:
-            if not isinstance(error, Exception):
-                # Interrupted (task cancelled, KeyboardInterrupt): whether the server ran
-                # the unlock is unknown. Discarding the connection ends the lock either
-                # way, and gives the connection back now rather than to the collector.
-                state.forget(holding)
-                borrowed.broken(error)
-                yield Settle(borrowed)
-                raise
-            if backend.is_failed_transaction(error):
-                # The caller's transaction failed inside the block; the server rejects
-                # every statement until it ends, and session locks survive its rollback.
-                state.forget(holding)
-                state.pending_release.append(holding)
-                borrowed.done()
-                yield Settle(borrowed)
-                logger.debug("release of %r deferred to the end of the transaction", self.name)
-                return
-            # The library stops tracking it either way; whether the server still holds
-            # it is unknown, so its end is reported as a loss, not an unlock.
-            state.end(holding, "lost")
-            if _connection_failed(backend, borrowed, error):
-                borrowed.broken(error)
-                yield Settle(borrowed)
-                self._report_loss(holding, state, "connection_failed", error)
-                raise LockLost(
-                    f"advisory lock {self.name!r} was lost: its connection failed ({error})",
-                    name=self.name,
-                ) from error
+        backend = self._site.backend
+        if not isinstance(error, Exception):
+            # Interrupted (task cancelled, KeyboardInterrupt): whether the server ran
+            # the unlock is unknown. Discarding the connection ends the lock either
+            # way, and gives the connection back now rather than to the collector.
+            state.forget(holding)
+            borrowed.broken(error)
+            yield Settle(borrowed)
+            raise error
+        if backend.is_failed_transaction(error):
+            # The caller's transaction failed inside the block; the server rejects
+            # every statement until it ends, and session locks survive its rollback.
+            state.forget(holding)
+            state.pending_release.append(holding)
             borrowed.done()
             yield Settle(borrowed)
-            raise
-        state.end(holding, "unlock" if released else "lost")
-        borrowed.done()
-        if not getattr(borrowed, "settled_by_done", False):
+            logger.debug("release of %r deferred to the end of the transaction", self.name)
+            return
+        # The library stops tracking it either way; whether the server still holds
+        # it is unknown, so its end is reported as a loss, not an unlock.
+        state.end(holding, "lost")
+        if _connection_failed(backend, borrowed, error):
+            borrowed.broken(error)
             yield Settle(borrowed)
-        if not released:
-            self._report_loss(holding, state, "not_held", None)
+            self._report_loss(holding, state, "connection_failed", error)
             raise LockLost(
-                f"the server did not hold advisory lock {self.name!r} at release",
+                f"advisory lock {self.name!r} was lost: its connection failed ({error})",
                 name=self.name,
-            )
+            ) from error
+        borrowed.done()
+        yield Settle(borrowed)
+        raise error
+
+    def _not_released(self, holding: Holding, state: ConnectionState) -> LockLost:
+        """The server said it did not hold the lock at the unlock: report the loss."""
+        self._report_loss(holding, state, "not_held", None)
+        return LockLost(
+            f"the server did not hold advisory lock {self.name!r} at release", name=self.name
+        )
 
     def ensure_held_steps(self) -> Steps[None]:
         holding, borrowed = self._holding, self._borrowed

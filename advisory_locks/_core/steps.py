@@ -28,6 +28,7 @@ __all__ = [
     "Steps",
     "arun_steps",
     "on",
+    "perform",
     "run_steps",
 ]
 
@@ -134,6 +135,23 @@ def on(executor: object, steps: Generator[Statement, Any, T]) -> On[T]:
     return On(executor, steps)
 
 
+def perform(executor: Any, statements: Generator[Statement, Any, T]) -> T:
+    """Run a backend's statement steps on a blocking ``executor``, each statement answered
+    (or its error thrown back) in turn; return their result."""
+    execute = executor.execute
+    answer: Any = None
+    failure: BaseException | None = None
+    while True:
+        try:
+            statement = statements.send(answer) if failure is None else statements.throw(failure)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            answer, failure = execute(statement), None
+        except BaseException as raised:
+            answer, failure = None, raised
+
+
 def run_steps(steps: Steps[T] | On[T], site: Site | None = None) -> T:
     """Perform every request of ``steps`` with blocking calls; return its result."""
     requests: Steps[T] = steps.__iter__() if isinstance(steps, On) else steps
@@ -147,25 +165,7 @@ def run_steps(steps: Steps[T] | On[T], site: Site | None = None) -> T:
         result = error = None
         try:
             if type(request) is On:
-                # The statements, each answered (or its error thrown back) in turn.
-                statements = request.steps
-                execute = request.executor.execute
-                answer: Any = None
-                failure: BaseException | None = None
-                while True:
-                    try:
-                        statement = (
-                            statements.send(answer)
-                            if failure is None
-                            else statements.throw(failure)
-                        )
-                    except StopIteration as stop:
-                        result = stop.value
-                        break
-                    try:
-                        answer, failure = execute(statement), None
-                    except BaseException as raised:
-                        answer, failure = None, raised
+                result = perform(request.executor, request.steps)
             elif type(request) is Settle:
                 request.borrowed.settle()
             else:
