@@ -132,6 +132,17 @@ def derive_key(
     The arguments are those of ``lock_key``; the result also keeps the name, the prefix
     text and the scheme's name.
     """
+    if name.__class__ is str and scheme is None and prefix is None:
+        # The usual call, answered first: a plain string name, with the scheme and prefix
+        # the environment says.
+        if not name:
+            raise ValueError("lock name must not be empty")
+        prefix, scheme = _name_environment()
+        if not scheme:
+            scheme = DEFAULT_SCHEME
+        elif scheme not in KEY_SCHEMES:
+            raise ValueError(f"unknown key scheme {scheme!r}; expected one of {KEY_SCHEMES}")
+        return _string_key(name, scheme, prefix)
     if isinstance(name, bool):
         raise TypeError("lock name must be str, int or (int, int), not bool")
     if isinstance(name, int):
@@ -242,6 +253,38 @@ def _environment(variable: str) -> str | None:
 
 # variable -> (the os.environ it was read from, its _data, the encoded name, decodevalue)
 _environ_readers: dict[str, tuple[object, dict[object, object], object, Callable[..., str]]] = {}
+
+
+def _name_environment() -> tuple[str | None, str | None]:
+    """``(_environment(PREFIX_ENV), _environment(SCHEME_ENV))`` in one call: both are read
+    for every lock named by a string."""
+    environ = os.environ
+    reader = _name_reader
+    if reader is None or reader[0] is not environ:
+        data = getattr(environ, "_data", None)
+        encode = getattr(environ, "encodekey", None)
+        decode = getattr(environ, "decodevalue", None)
+        if not isinstance(data, dict) or not callable(encode) or not callable(decode):
+            return environ.get(PREFIX_ENV), environ.get(SCHEME_ENV)
+        reader = _set_name_reader((environ, data, encode(PREFIX_ENV), encode(SCHEME_ENV), decode))
+    data, decode = reader[1], reader[4]
+    prefix = data.get(reader[2])
+    scheme = data.get(reader[3])
+    return (
+        None if prefix is None else decode(prefix),
+        None if scheme is None else decode(scheme),
+    )
+
+
+# (the os.environ read, its _data, the two encoded names, decodevalue), for _name_environment
+_NameReader = tuple[object, dict[object, object], object, object, Callable[..., str]]
+_name_reader: _NameReader | None = None
+
+
+def _set_name_reader(reader: _NameReader) -> _NameReader:
+    global _name_reader
+    _name_reader = reader
+    return reader
 
 
 def _validate_pair(name: tuple[object, ...]) -> tuple[int, int]:
