@@ -125,9 +125,12 @@ class AdvisoryLock(LockContract):
     __slots__ = ("_borrowed", "_count", "_holding", "_owner", "_site", "key_info", "options")
 
     def __init__(self, site: Any, key: LockKey, options: LockOptions) -> None:
-        site.backend.check_options(
-            shared=options.shared, transaction=options.transaction, timeout=options.timeout
-        )
+        backend = site.backend
+        if options.checked_by is not backend:
+            backend.check_options(
+                shared=options.shared, transaction=options.transaction, timeout=options.timeout
+            )
+            object.__setattr__(options, "checked_by", backend)
         self._site = site
         self.key_info = key
         self.options = options
@@ -320,7 +323,21 @@ class AdvisoryLock(LockContract):
             self._count = 0
             self._holding = self._borrowed = None
             self._owner = None
-        self._claim()
+        # A lock object's own count stands for one holder. Shared by two threads (a
+        # module-level lock used like threading.Lock) or two asyncio tasks, the second
+        # would count itself in without any lock on its own connection: refuse instead.
+        # The owner is the thread, and the asyncio task within it (0 outside one).
+        loop = asyncio._get_running_loop()
+        task = None if loop is None else asyncio.current_task(loop)
+        owner = (threading.get_ident(), 0 if task is None else id(task))
+        with _CLAIMS:
+            if self._owner is not None and self._owner != owner:
+                raise LockUsageError(
+                    f"lock object {self.name!r} is held by another thread or task; make "
+                    "one lock object per use (call advisory_lock(...) where the lock is "
+                    "needed)"
+                )
+            self._owner = owner
         holding = self._holding
         if self._borrowed is not None:
             self._borrowed.state.observe()
@@ -385,20 +402,6 @@ class AdvisoryLock(LockContract):
         if started is not None and events.listeners:
             report_grant(holding, self._source(state), time.monotonic() - started)
         return holding
-
-    def _claim(self) -> None:
-        # A lock object's own count stands for one holder. Shared by two threads (a
-        # module-level lock used like threading.Lock) or two asyncio tasks, the second
-        # would count itself in without any lock on its own connection: refuse instead.
-        owner = _current_owner()
-        with _CLAIMS:
-            if self._owner is not None and self._owner != owner:
-                raise LockUsageError(
-                    f"lock object {self.name!r} is held by another thread or task; make "
-                    "one lock object per use (call advisory_lock(...) where the lock is "
-                    "needed)"
-                )
-            self._owner = owner
 
     def _not_held(self) -> LockUsageError:
         message = f"lock {self.name!r} is not held by this lock object"
@@ -869,10 +872,3 @@ def _new_claims_lock() -> None:
 
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_new_claims_lock)
-
-
-def _current_owner() -> tuple[int, int]:
-    """The thread, and the asyncio task within it (0 outside one), asking for a lock."""
-    loop = asyncio._get_running_loop()
-    task = None if loop is None else asyncio.current_task(loop)
-    return threading.get_ident(), 0 if task is None else id(task)

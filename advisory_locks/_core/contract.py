@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeAlias
 
@@ -40,6 +40,10 @@ class LockOptions:
     timeout: Timeout = None
     shared: bool = False
     transaction: bool = False
+    # The backend that last found these options possible on its database: a lock made
+    # with them on that backend again skips the check (options are made once per
+    # combination and shared, see lock_options).
+    checked_by: object = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         validate_flags(shared=self.shared, transaction=self.transaction)
