@@ -186,11 +186,15 @@ class ConnectionState:
         """
 
     def find(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding | None:
-        holding = self.holdings.get(self._entry(key, shared, transaction))
+        backend = self.backend  # _entry(), written out: asked on every acquire
+        identity = key.ints if backend is None else backend.lock_identity(key)
+        holding = self.holdings.get((identity, shared, transaction))
         return holding if holding is not None and holding.active else None
 
     def add(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding:
-        entry = self._entry(key, shared, transaction)
+        backend = self.backend  # _entry(), written out: run on every grant
+        identity = key.ints if backend is None else backend.lock_identity(key)
+        entry = (identity, shared, transaction)
         with self.mutex:
             holding = Holding(key, shared, transaction, depth=len(self.savepoints), entry=entry)
             self.holdings[entry] = holding
