@@ -122,12 +122,12 @@ class PostgresBackend:
         timeout: Timeout,
         in_transaction: bool,
     ) -> StatementSteps[bool]:
-        function = _lock_function(shared=shared, transaction=transaction)
+        function = _LOCK_FUNCTIONS[shared, transaction]
         if timeout == 0:
             # The try_ variants never wait and never raise for a busy lock, so there is
             # nothing to protect the caller's transaction from.
             granted = yield Statement(
-                VALUE, _statement("SELECT pg_try_{}({})", function, key), key.ints
+                VALUE, _statement_for("SELECT pg_try_{}({})", function, len(key.ints)), key.ints
             )
             return bool(granted)
         try:
@@ -135,7 +135,9 @@ class PostgresBackend:
                 call = f"SELECT pg_{function}({_literals(key)})"
                 yield Statement(SCRIPT, _acquire_in_transaction_script(call, timeout))
             elif timeout is None:
-                yield Statement(VALUE, _statement("SELECT pg_{}({})", function, key), key.ints)
+                yield Statement(
+                    VALUE, _statement_for("SELECT pg_{}({})", function, len(key.ints)), key.ints
+                )
             else:
                 # Outside a transaction block one statement is one implicit transaction,
                 # and set_config(..., true) is local to it: the caller's lock_timeout is
@@ -147,7 +149,7 @@ class PostgresBackend:
                 # 3 after a few uses) reuse its plan, as they do the unlock's.
                 yield Statement(
                     VALUE,
-                    _statement(TIMEOUT_LOCK_SQL, function, key),
+                    _statement_for(TIMEOUT_LOCK_SQL, function, len(key.ints)),
                     (*key.ints, _timeout_text(timeout)),
                 )
         except Exception as error:
@@ -167,7 +169,9 @@ class PostgresBackend:
 
     def release(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         function = "advisory_unlock_shared" if shared else "advisory_unlock"
-        released = yield Statement(VALUE, _statement("SELECT pg_{}({})", function, key), key.ints)
+        released = yield Statement(
+            VALUE, _statement_for("SELECT pg_{}({})", function, len(key.ints)), key.ints
+        )
         return bool(released)
 
     def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
@@ -347,16 +351,17 @@ def _acquire_in_transaction_script(call: str, timeout: Timeout) -> str:
     )
 
 
-def _lock_function(*, shared: bool, transaction: bool) -> str:
-    return "advisory_" + ("xact_" if transaction else "") + "lock" + ("_shared" if shared else "")
+# (shared, transaction) -> the lock function's name, without its "pg_" prefix.
+_LOCK_FUNCTIONS: Final = {
+    (False, False): "advisory_lock",
+    (True, False): "advisory_lock_shared",
+    (False, True): "advisory_xact_lock",
+    (True, True): "advisory_xact_lock_shared",
+}
 
 
 def _placeholders(key: LockKey) -> str:
     return ", ".join(["%s"] * len(key.ints))
-
-
-def _statement(template: str, function: str, key: LockKey) -> str:
-    return _statement_for(template, function, len(key.ints))
 
 
 @cache
