@@ -240,6 +240,14 @@ class RawDriver:
         ``ConnectionGone``. A driver may return one that does both in a single call."""
         return RaisingExecutor(self.executor(connection, scratch), backend)
 
+    def session_lock_executor(
+        self, connection: Any, scratch: dict[str, Any], backend: Backend
+    ) -> Any:
+        """An executor of session-lock statements that also carries out the rule of
+        ``SyncAutocommitExecutor`` itself, in one call per statement; None: that class
+        wraps ``lock_executor``'s."""
+        return None
+
     # Whether the executors of ``new_executors`` refer to their connection weakly, so
     # that a state kept in the weak mapping may keep them (see ``keep_state``).
     weak_lock_executors: bool = False
@@ -438,7 +446,10 @@ def new_executors(driver: RawDriver, connection: Any, state: RawConnectionState)
         return AutocommitExecutor(driver, connection, transaction), transaction
     if not driver.autocommit_for_session_locks:
         return transaction, transaction
-    return SyncAutocommitExecutor(driver, connection, transaction), transaction
+    session = driver.session_lock_executor(connection, state.driver_state, backend)
+    if session is None:
+        session = SyncAutocommitExecutor(driver, connection, transaction)
+    return session, transaction
 
 
 # -- executors ------------------------------------------------------------------------------
@@ -566,6 +577,9 @@ class ConnectionBorrow:
         self.in_transaction = in_transaction
         self.epoch = state.epoch
         self._broken = False
+
+    # settle() has work only after broken(), which the lock always follows with it.
+    settled_by_done = True
 
     def done(self) -> None:
         pass
@@ -992,7 +1006,11 @@ class RawBinding:
         return ConnectionSite(self.driver, bind)
 
     def lock(self, bind: Any, key: LockKey, options: LockOptions) -> Any:
-        site = self._site(bind, transaction=options.transaction)
+        site = (
+            self._site(bind, transaction=options.transaction)
+            if self._is_pool(bind)
+            else ConnectionSite(self.driver, bind)
+        )
         lock = AdvisoryLock(site, key, options)
         return AsyncAdvisoryLock(lock, site.run) if self.is_async else lock
 

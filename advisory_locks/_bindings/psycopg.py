@@ -6,6 +6,7 @@ What a raw bind means (transactions, pools, poolers) is in ``_raw``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -15,6 +16,7 @@ from psycopg.rows import tuple_row
 from advisory_locks._bindings import _psycopg_pool_compat
 from advisory_locks._bindings._psycopg_pool_compat import pool_of
 from advisory_locks._bindings._raw import (
+    IDLE,
     RawBinding,
     RawDriver,
     holds_at_checkin,
@@ -47,16 +49,26 @@ class PsycopgLockExecutor:
     closed connection fails, and that error says the connection is gone.)
     """
 
-    __slots__ = ("_backend", "_cursor", "_mutex", "connection", "state")
+    __slots__ = ("_backend", "_cursor", "_mutex", "connection", "session", "state")
 
-    def __init__(self, connection: Any, state: dict[str, Any], backend: Backend) -> None:
+    def __init__(
+        self, connection: Any, state: dict[str, Any], backend: Backend, *, session: bool = False
+    ) -> None:
         self.connection = connection
         self.state = state
         self._backend = backend
         self._cursor: Any = None
         self._mutex = threading.Lock()
+        # A session lock's executor: a statement on an idle connection that is not in
+        # autocommit runs switched to autocommit, so it begins no transaction (the rule
+        # of _raw.SyncAutocommitExecutor, asked here in the same call).
+        self.session = session
 
     def execute(self, statement: Statement) -> object:
+        if self.session:
+            connection = self.connection
+            if connection.pgconn.transaction_status == IDLE and not connection.autocommit:
+                return self._in_autocommit(statement)
         try:
             with self._mutex:
                 cursor = self._cursor
@@ -76,6 +88,20 @@ class PsycopgLockExecutor:
                 return [] if cursor.description is None else cursor.fetchall()
         except Exception as error:
             raise translate_error(error, self._backend) from error
+
+    def _in_autocommit(self, statement: Statement) -> object:
+        connection = self.connection
+        connection.autocommit = True
+        try:
+            result = self.execute(statement)
+        except BaseException:
+            # A connection that broke cannot be switched back, and the statement's own
+            # error is the one to report.
+            with contextlib.suppress(Exception):
+                connection.autocommit = False
+            raise
+        connection.autocommit = False
+        return result
 
 
 class PsycopgDriver(RawDriver):
@@ -99,6 +125,11 @@ class PsycopgDriver(RawDriver):
 
     def lock_executor(self, connection: Any, scratch: dict[str, Any], backend: Backend) -> Any:
         return PsycopgLockExecutor(connection, scratch, backend)
+
+    def session_lock_executor(
+        self, connection: Any, scratch: dict[str, Any], backend: Backend
+    ) -> Any:
+        return PsycopgLockExecutor(connection, scratch, backend, session=True)
 
     def pool_of(self, connection: Any) -> Any:
         return pool_of(connection)
