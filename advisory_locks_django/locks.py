@@ -256,7 +256,7 @@ class DjangoAdvisoryLock:
         borrow = self._site.last_borrow
         assert borrow is not None
         locks = borrow.registry
-        holding = locks.find(lock.key_info, shared=self.shared, transaction=self.transaction)
+        holding = lock.holding
         assert holding is not None
         self._atomics.append(atomic)
         self._holdings.append((locks, holding))

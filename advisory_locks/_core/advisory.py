@@ -172,6 +172,12 @@ class AdvisoryLock(LockContract):
         borrowed.state.observe()
         return holding.active and not borrowed.state.inherited
 
+    @property
+    def holding(self) -> Holding | None:
+        """The holding this object counts on while it holds the lock (for bindings that
+        keep their own record of it, as Django's does)."""
+        return self._holding if self._count else None
+
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
         # The rules of acquire_steps() (the async lock's and a lock set's path), run with
