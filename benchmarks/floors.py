@@ -17,8 +17,9 @@ is open a library would have to join it, which a floor refuses rather than imita
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, ClassVar
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -36,7 +37,13 @@ from benchmarks.uncontended import (
     UNLOCK_SQL,
 )
 
-__all__ = ["connection_floor", "django_floor", "engine_floor", "session_floor"]
+__all__ = [
+    "connection_floor",
+    "django_floor",
+    "engine_floor",
+    "psycopg_contract_floor",
+    "session_floor",
+]
 
 FLOOR_KEY_BASE = RAW_KEY_BASE + 60
 CURSOR_INFO_KEY = "benchmarks.floor_cursor"
@@ -204,6 +211,107 @@ def django_floor(sockets: Any) -> Case:
         "by hand on Django's connection: connections['default'], connected and in "
         "autocommit outside atomic(), the twin's two statements on a reused cursor of "
         "its psycopg connection",
+        operation,
+        twin=TWIN,
+        sockets=sockets,
+    )
+
+
+class _ContractFloorLock:
+    """The least a lock that keeps the product contract must do on a raw psycopg
+    connection, written by hand for the one path the benchmark takes.
+
+    On top of the twin's two statements: a lock object for ``with`` (the API returns one),
+    the name checked and its key looked up (hashed once, then cached; a name's key is
+    the same in every process), the timeout checked before any SQL, the holders counted
+    per connection (re-entrancy, in a registry kept on the connection), and the
+    connection read before each statement, since a raw connection has no events: closed
+    or not, and whether a transaction is open, which decides if the statement may run as
+    it is or must run switched to autocommit so that it begins none. At release, the
+    count, the unlock's answer (False means the lock was lost) and the registry.
+
+    Left out, though the library does them, because a library could choose otherwise:
+    refusing to share one lock object between threads or tasks, the server check for
+    poolers, forked children, events, error translation, a reused cursor shared safely
+    between threads. So it is a lower bound for any library keeping the contract on this
+    bind, not a competitor.
+    """
+
+    __slots__ = ("_connection", "_key", "_timeout_ms")
+
+    _keys: ClassVar[dict[str, int]] = {}
+
+    def __init__(self, connection: Any, name: str, timeout: float) -> None:
+        if name.__class__ is not str or not name:
+            raise TypeError("name")
+        key = self._keys.get(name)
+        if key is None:
+            digest = hashlib.sha256(name.encode()).digest()
+            key = self._keys[name] = int.from_bytes(digest[:8], "big", signed=True)
+        if not 0 < timeout < 86_400:
+            raise ValueError("timeout")
+        self._connection = connection
+        self._key = key
+        self._timeout_ms = str(int(timeout * 1000))
+
+    def __enter__(self) -> _ContractFloorLock:
+        connection = self._connection
+        registry = connection.__dict__.get(_REGISTRY)
+        if registry is None:
+            registry = connection.__dict__[_REGISTRY] = {}, connection.cursor()
+        holders, cursor = registry
+        count = holders.get(self._key)
+        if count:
+            holders[self._key] = count + 1
+            return self
+        if connection.closed:
+            raise RuntimeError("closed")
+        if connection.pgconn.transaction_status != IDLE or connection.autocommit:
+            cursor.execute(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+            cursor.fetchone()
+        else:
+            raise RuntimeError("the benchmark's connection is in autocommit")
+        holders[self._key] = 1
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        connection = self._connection
+        holders, cursor = connection.__dict__[_REGISTRY]
+        count = holders[self._key] - 1
+        if count:
+            holders[self._key] = count
+            return
+        del holders[self._key]
+        if connection.closed:
+            raise RuntimeError("lost")
+        if connection.pgconn.transaction_status != IDLE or connection.autocommit:
+            cursor.execute(UNLOCK_SQL, (self._key,))
+            released = cursor.fetchone()
+        else:
+            raise RuntimeError("the benchmark's connection is in autocommit")
+        if not (released and released[0]):
+            raise RuntimeError("lost")
+
+
+_REGISTRY = "_benchmarks_contract_floor"
+
+
+def psycopg_contract_floor(connection: Any, sockets: Any) -> Case:
+    """The contract floor of a raw psycopg connection in autocommit (``_ContractFloorLock``)."""
+
+    def operation(watch: Stopwatch) -> None:
+        watch.start()
+        with _ContractFloorLock(connection, "floor.psycopg.contract", TIMEOUT_SECONDS):
+            pass
+        watch.stop()
+
+    return Case(
+        "floor.psycopg.contract",
+        "floor",
+        "by hand on a raw psycopg connection: the least a lock keeping the contract does "
+        "(a lock object, the name's cached key, holders counted per connection, the "
+        "connection's closed and transaction state read before each statement) around the "
+        "twin's two statements",
         operation,
         twin=TWIN,
         sockets=sockets,

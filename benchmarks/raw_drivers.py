@@ -19,6 +19,7 @@ from sqlalchemy.engine import URL
 
 from advisory_locks import advisory_lock
 from advisory_locks.keys import derive_key
+from benchmarks import floors
 from benchmarks.measure import Case, Stopwatch
 from benchmarks.postgres import raw_connection
 
@@ -96,6 +97,9 @@ def psycopg_cases(url: URL, stack: ExitStack) -> list[Case]:
                 sockets=_psycopg_socket(connection),
             )
         )
+
+    floor_connection = raw_connection(url, stack)
+    cases.append(floors.psycopg_contract_floor(floor_connection, _psycopg_socket(floor_connection)))
 
     connection = raw_connection(url, stack)
 
