@@ -1012,7 +1012,7 @@ class RawBinding:
             else ConnectionSite(self.driver, bind)
         )
         lock = AdvisoryLock(site, key, options)
-        return AsyncAdvisoryLock(lock, site.run) if self.is_async else lock
+        return AsyncAdvisoryLock(lock, site.run, native=True) if self.is_async else lock
 
     def lock_set(
         self, bind: Any, keys: list[LockKey], options: LockOptions, timeout: Timeout

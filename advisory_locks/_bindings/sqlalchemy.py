@@ -160,7 +160,7 @@ class SQLAlchemyBinding:
         lock = AdvisoryLock(site, key, options)
         if sync is bind:
             return lock
-        return AsyncAdvisoryLock(lock, _run_in_greenlet(lock._site))
+        return AsyncAdvisoryLock(lock, _run_in_greenlet(site), call=_call_in_greenlet)
 
     def lock_set(
         self, bind: Any, keys: list[LockKey], options: LockOptions, timeout: Timeout
@@ -204,6 +204,12 @@ def _run_in_greenlet(site: Any) -> Any:
         return greenlet_spawn(run_steps, steps, site)
 
     return run
+
+
+async def _call_in_greenlet(function: Callable[[], Any]) -> Any:
+    # A blocking lock's own acquire or release, run as SQLAlchemy's asyncio binds run
+    # blocking DB-API code.
+    return await greenlet_spawn(function)
 
 
 def sync_bind(bind: object) -> SyncBind:

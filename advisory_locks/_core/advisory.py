@@ -34,7 +34,16 @@ from advisory_locks._core.contract import (
     validate_timeout,
 )
 from advisory_locks._core.events import EventSource, LockEvent
-from advisory_locks._core.steps import Borrow, Settle, Steps, on, perform, run_steps
+from advisory_locks._core.steps import (
+    Borrow,
+    Settle,
+    Steps,
+    aperform,
+    arun_steps,
+    on,
+    perform,
+    run_steps,
+)
 from advisory_locks._dialects.base import WAIT_CANCELLED_STATE
 from advisory_locks.errors import (
     LockConnectionLost,
@@ -66,6 +75,8 @@ T = TypeVar("T")
 # How an async lock runs its steps: SQLAlchemy's asyncio binds run them with blocking
 # calls inside SQLAlchemy's greenlet bridge, native asyncio drivers await each request.
 StepRunner = Callable[[Steps[Any]], Awaitable[Any]]
+# How an async lock runs a blocking lock's acquire or release (SQLAlchemy's greenlet bridge).
+BlockingRunner = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 
 class Borrowed(Protocol):
@@ -317,7 +328,53 @@ class AdvisoryLock(LockContract):
             if not self._count:
                 self._owner = None
 
-    # The parts of an acquire that both ways of running it share.
+    async def aacquire(self) -> bool:
+        """``acquire()`` on a site whose connections are awaited (``aborrow``, awaiting
+        executors): the rules of ``acquire_steps()``, each request awaited directly."""
+        if self._reenter():
+            return True
+        site = self._site
+        options = self.options
+        started = time.monotonic() if events.listeners else None
+        try:
+            try:
+                borrowed: Borrowed = await site.aborrow(transaction=options.transaction)
+            except BaseException as error:
+                self._borrow_failed(started, error)
+            state = borrowed.state
+            if state.inherited:
+                await arun_steps(self._refuse_inherited(borrowed), site)
+            holding = state.find(
+                self.key_info, shared=options.shared, transaction=options.transaction
+            )
+            if holding is None:
+                try:
+                    granted = await aperform(
+                        borrowed.executor,
+                        site.backend.acquire(
+                            state.driver_state,
+                            self.key_info,
+                            shared=options.shared,
+                            transaction=options.transaction,
+                            timeout=options.timeout,
+                            in_transaction=borrowed.in_transaction,
+                        ),
+                    )
+                except BaseException as error:
+                    await arun_steps(self._acquire_failed(started, borrowed, error), site)
+                if not granted:
+                    return await arun_steps(self._refused(started, borrowed), site)
+                holding = self._granted(started, state)
+            holding.count += 1
+            self._count = 1
+            self._borrowed = borrowed
+            self._holding = holding
+            return True
+        finally:
+            if not self._count:
+                self._owner = None
+
+    # The parts of an acquire that every way of running it shares.
 
     def _reenter(self) -> bool:
         """Claim the object for this thread or task; True when it already holds the lock
@@ -495,7 +552,33 @@ class AdvisoryLock(LockContract):
         if not released:
             raise self._not_released(holding, state)
 
-    # The parts of a release that both ways of running it share.
+    async def arelease(self) -> None:
+        """``release()`` on a site whose connections are awaited (see ``aacquire``)."""
+        let_go = self._let_go()
+        if let_go is None:
+            return
+        holding, borrowed = let_go
+        site = self._site
+        state = borrowed.state
+        if holding.count > 0 or holding.transaction or state.inherited or not holding.active:
+            await arun_steps(self._release_without_unlock(holding, borrowed), site)
+            return
+        try:
+            released = await aperform(
+                borrowed.executor,
+                site.backend.release(state.driver_state, self.key_info, shared=self.options.shared),
+            )
+        except BaseException as error:
+            await arun_steps(self._release_failed(holding, borrowed, error), site)
+            return
+        state.end(holding, "unlock" if released else "lost")
+        borrowed.done()
+        if not getattr(borrowed, "settled_by_done", False):
+            await borrowed.asettle()
+        if not released:
+            raise self._not_released(holding, state)
+
+    # The parts of a release that every way of running it shares.
 
     def _let_go(self) -> tuple[Holding, Borrowed] | None:
         """Count this holder out; the holding and its connection when this object lets go
@@ -637,11 +720,25 @@ class AsyncAdvisoryLock(AsyncLockContract):
     """The awaitable twin of [`AdvisoryLock`][advisory_locks.AdvisoryLock], for asyncio
     binds: ``async with``, ``await acquire()``, ``await release()``."""
 
-    __slots__ = ("_lock", "_run")
+    __slots__ = ("_call", "_lock", "_native", "_run")
 
-    def __init__(self, lock: AdvisoryLock, run: StepRunner) -> None:
+    def __init__(
+        self,
+        lock: AdvisoryLock,
+        run: StepRunner,
+        *,
+        native: bool = False,
+        call: BlockingRunner | None = None,
+    ) -> None:
         self._lock = lock
         self._run = run
+        # How acquire and release reach the connection: ``native``, a site whose
+        # connections are awaited (aborrow, awaiting executors: asyncpg, psycopg's
+        # AsyncConnection), awaited directly; ``call``, a runner of blocking code
+        # (SQLAlchemy's greenlet bridge), the blocking lock's own acquire and release in
+        # it; otherwise the steps, run by ``run``.
+        self._native = native
+        self._call = call
 
     @property
     def name(self) -> LockName:
@@ -657,11 +754,24 @@ class AsyncAdvisoryLock(AsyncLockContract):
 
     async def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
+        if self._native:
+            return await self._lock.aacquire()
+        call = self._call
+        if call is not None:
+            called: bool = await call(self._lock.acquire)
+            return called
         granted: bool = await self._run(self._lock.acquire_steps())
         return granted
 
     async def release(self) -> None:
         """Give the lock back (a transaction lock stays with its transaction)."""
+        if self._native:
+            await self._lock.arelease()
+            return
+        call = self._call
+        if call is not None:
+            await call(self._lock.release)
+            return
         await self._run(self._lock.release_steps())
 
     async def ensure_held(self) -> None:

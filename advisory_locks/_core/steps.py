@@ -26,6 +26,7 @@ __all__ = [
     "Site",
     "Statement",
     "Steps",
+    "aperform",
     "arun_steps",
     "on",
     "perform",
@@ -175,6 +176,22 @@ def run_steps(steps: Steps[T] | On[T], site: Site | None = None) -> T:
             error = raised
 
 
+async def aperform(executor: Any, statements: Generator[Statement, Any, T]) -> T:
+    """``perform`` with an awaiting ``executor``."""
+    execute = executor.execute
+    answer: Any = None
+    failure: BaseException | None = None
+    while True:
+        try:
+            statement = statements.send(answer) if failure is None else statements.throw(failure)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            answer, failure = await execute(statement), None
+        except BaseException as raised:
+            answer, failure = None, raised
+
+
 async def arun_steps(steps: Steps[T] | On[T], site: AsyncSite | None = None) -> T:
     """Perform every request of ``steps``, awaiting each; return its result."""
     requests: Steps[T] = steps.__iter__() if isinstance(steps, On) else steps
@@ -188,24 +205,7 @@ async def arun_steps(steps: Steps[T] | On[T], site: AsyncSite | None = None) -> 
         result = error = None
         try:
             if type(request) is On:
-                statements = request.steps
-                execute = request.executor.execute
-                answer: Any = None
-                failure: BaseException | None = None
-                while True:
-                    try:
-                        statement = (
-                            statements.send(answer)
-                            if failure is None
-                            else statements.throw(failure)
-                        )
-                    except StopIteration as stop:
-                        result = stop.value
-                        break
-                    try:
-                        answer, failure = await execute(statement), None
-                    except BaseException as raised:
-                        answer, failure = None, raised
+                result = await aperform(request.executor, request.steps)
             elif type(request) is Settle:
                 await request.borrowed.asettle()
             else:
