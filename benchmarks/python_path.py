@@ -3,8 +3,8 @@
 ``python -m benchmarks.python_path [--profile CASE]``: every case first runs for real
 (so each connection's one-time server check is done), then the executors that send the
 lock statements are replaced by a stub that answers at once ("granted", "released"),
-and what is left is timed in this thread's CPU time: building the lock, its rules as
-steps, the binding's borrow and give-back, the pool where there is one. That is the part
+and what is left is timed in this thread's CPU time: building the lock, its rules, the
+binding's borrow and give-back, the pool where there is one. That is the part
 of ``cpu x twin`` the library can cut; the driver's own work is the twin's too.
 ``--profile CASE`` adds a cProfile of the stubbed path (CPU clock) for one case.
 
@@ -32,6 +32,7 @@ from advisory_locks._bindings import _raw
 from advisory_locks._bindings.psycopg import PsycopgLockExecutor
 from advisory_locks._core import executors
 from advisory_locks._core.steps import VALUE, Statement
+from benchmarks.clients import setup_django
 from benchmarks.postgres import database_url, raw_connection
 
 TIMEOUT_SECONDS = 5
@@ -58,12 +59,31 @@ def _cases(stack: ExitStack) -> dict[str, Callable[[], None]]:
 
         return operation
 
+    setup_django(url)
+    from django.db import connection as django_connection
+
+    from advisory_locks_django import advisory_lock as django_lock
+
+    django_connection.ensure_connection()
+
+    def django_case() -> None:
+        with django_lock("bench.python_path.django", timeout=TIMEOUT_SECONDS):
+            pass
+
     return {
         "psycopg": case(raw, "bench.python_path.psycopg"),
         "connection": case(connection, "bench.python_path.connection"),
         "engine": case(engine, "bench.python_path.engine"),
         "session": case(session, "bench.python_path.session"),
+        "django": django_case,
     }
+
+
+# The executors that send lock statements: replaced by _stub while the cases are timed.
+def _executors() -> list[type]:
+    from advisory_locks_django._binding import DjangoExecutor
+
+    return [executors.DBAPIExecutor, _raw.RaisingExecutor, PsycopgLockExecutor, DjangoExecutor]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,14 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         for operation in cases.values():
             for _ in range(50):
                 operation()  # for real: pools filled, servers checked
-        real = (
-            executors.DBAPIExecutor.execute,
-            _raw.RaisingExecutor.execute,
-            PsycopgLockExecutor.execute,
-        )
-        executors.DBAPIExecutor.execute = _stub  # type: ignore[method-assign]
-        _raw.RaisingExecutor.execute = _stub  # type: ignore[method-assign]
-        PsycopgLockExecutor.execute = _stub  # type: ignore[method-assign]
+        real = {executor: executor.__dict__["execute"] for executor in _executors()}
+        for executor in real:
+            setattr(executor, "execute", _stub)  # noqa: B010 - a method replaced for timing
         try:
             for name, operation in cases.items():
                 for _ in range(300):
@@ -106,11 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                 profile.disable()
                 pstats.Stats(profile, stream=sys.stdout).sort_stats("cumulative").print_stats(40)
         finally:
-            (
-                executors.DBAPIExecutor.execute,
-                _raw.RaisingExecutor.execute,
-                PsycopgLockExecutor.execute,
-            ) = real  # type: ignore[method-assign]
+            for executor, execute in real.items():
+                setattr(executor, "execute", execute)  # noqa: B010
     return 0
 
 
