@@ -10,14 +10,17 @@ floor follow, as in ``benchmarks.run``'s ``cpu x twin`` and ``cpu x bd`` columns
 
 Why: timing on a shared 2-core VM is noisy (another process, a cross-CPU wakeup, the
 hypervisor), so a 5 % change in the library's CPU can hide in the spread of CPU times. An
-instruction count does not depend on what else the machine does: it is the same from one
-run to the next to a fraction of a percent, so it shows exactly what the library's own
-Python adds over the raw driver making the same calls. It is not time: an instruction
-that misses the cache costs more than one that hits, and the count leaves out what the
-kernel does in the syscalls the client makes (sending, polling, receiving). The twin and
-our cases make the same syscalls for the same round trips, so that part is the same on
-both sides and leaving it out only makes the ratios stricter. Hardware counters (perf)
-would also count the kernel but are not available on this VM.
+instruction count does not depend on how busy the machine is: a child run again usually
+counts the same instructions to the last one, so the figures show what the library's own
+Python adds over the raw driver making the same calls. Now and then a whole child counts a
+fixed amount more per operation (seen: 0.7 % of the twin's; a state the process is in from
+its start, cause not pinned down), which the difference of two children can double: compare
+figures from one run, and run again before trusting a change of 1-2 %. It is not time: an
+instruction that misses the cache costs more than one that hits, and the count leaves out
+what the kernel does in the syscalls the client makes (sending, polling, receiving). The
+twin and our cases make the same syscalls for the same round trips, so that part is the
+same on both sides and leaving it out only makes the ratios stricter. Hardware counters
+(perf) would also count the kernel but are not available on this VM.
 
 How: for each case a child process of this module runs under
 ``valgrind --tool=callgrind --collect-atstart=no``. It builds only the cases of that
