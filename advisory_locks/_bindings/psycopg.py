@@ -42,7 +42,8 @@ class PsycopgLockExecutor:
     translation of a lost connection into ``ConnectionGone`` (``RaisingExecutor``).
 
     One cursor, made on first use with rows as tuples whatever row factory the
-    connection has, serves every statement of the connection's life; a mutex keeps two
+    connection has, serves every statement of the executor's life (a connection has
+    two executors: its session locks' and its transaction locks'); a mutex keeps two
     threads from mixing up a statement and its fetch. A script (several statements) is
     never prepared, also with ``prepare_threshold=0``: a prepared statement holds one
     command. (psycopg closes no cursor when its connection closes: a statement on a
