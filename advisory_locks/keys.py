@@ -137,12 +137,8 @@ def derive_key(
         # the environment says.
         if not name:
             raise ValueError("lock name must not be empty")
-        prefix, scheme = _name_environment()
-        if not scheme:
-            scheme = DEFAULT_SCHEME
-        elif scheme not in KEY_SCHEMES:
-            raise ValueError(f"unknown key scheme {scheme!r}; expected one of {KEY_SCHEMES}")
-        return _string_key(name, scheme, prefix)
+        prefix, scheme = _environment()
+        return _string_key(name, _resolve_scheme(scheme) if scheme else DEFAULT_SCHEME, prefix)
     if isinstance(name, bool):
         raise TypeError("lock name must be str, int or (int, int), not bool")
     if isinstance(name, int):
@@ -159,7 +155,8 @@ def derive_key(
         raise TypeError(f"lock name must be str, int or (int, int), not {type(name).__name__}")
     if not name:
         raise ValueError("lock name must not be empty")
-    prefix = _environment(PREFIX_ENV) if prefix is None else prefix
+    environment_prefix, environment_scheme = _environment()
+    prefix = environment_prefix if prefix is None else prefix
     if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, (str, int))):
         # Checked before the cache, which would otherwise answer True as it did 1.
         raise TypeError(f"key prefix must be str or int, not {type(prefix).__name__}")
@@ -169,6 +166,8 @@ def derive_key(
                 f"key scheme must be a scheme's name or a function, not {type(scheme).__name__}"
             )
         return _function_key(name, scheme)
+    if scheme is None:
+        scheme = environment_scheme or DEFAULT_SCHEME
     return _string_key(name, _resolve_scheme(scheme), prefix)
 
 
@@ -229,44 +228,26 @@ def _string_key(name: str, scheme: str, prefix: str | int | None) -> LockKey:
     return LockKey(name, (key,), text_prefix, scheme)
 
 
-def _environment(variable: str) -> str | None:
-    """``os.environ.get(variable)``, read on every lock, so a change applies at once.
+def _environment() -> tuple[str | None, str | None]:
+    """``$ADVISORY_LOCKS_PREFIX`` and ``$ADVISORY_LOCKS_KEY_SCHEME`` (None when unset),
+    read on every lock named by a string, so a change applies at once.
 
     ``os.environ.get`` of an unset variable raises and catches a KeyError inside the
     mapping, which costs more than the rest of deriving a key. ``os.environ`` keeps its
     contents in ``_data`` under ``encodekey(name)`` and hands values out through
     ``decodevalue`` (CPython's ``os._Environ`` since 3.2, on every platform); reading the
-    same entry that way never raises. Anything else falls back to the mapping.
+    same entries that way never raises. Anything else falls back to the mapping.
     """
+    global _reader
     environ = os.environ
-    reader = _environ_readers.get(variable)
-    if reader is None or reader[0] is not environ:
-        data = getattr(environ, "_data", None)
-        encode = getattr(environ, "encodekey", None)
-        decode = getattr(environ, "decodevalue", None)
-        if not isinstance(data, dict) or not callable(encode) or not callable(decode):
-            return environ.get(variable)
-        reader = _environ_readers[variable] = (environ, data, encode(variable), decode)
-    value = reader[1].get(reader[2])
-    return None if value is None else reader[3](value)
-
-
-# variable -> (the os.environ it was read from, its _data, the encoded name, decodevalue)
-_environ_readers: dict[str, tuple[object, dict[object, object], object, Callable[..., str]]] = {}
-
-
-def _name_environment() -> tuple[str | None, str | None]:
-    """``(_environment(PREFIX_ENV), _environment(SCHEME_ENV))`` in one call: both are read
-    for every lock named by a string."""
-    environ = os.environ
-    reader = _name_reader
+    reader = _reader
     if reader is None or reader[0] is not environ:
         data = getattr(environ, "_data", None)
         encode = getattr(environ, "encodekey", None)
         decode = getattr(environ, "decodevalue", None)
         if not isinstance(data, dict) or not callable(encode) or not callable(decode):
             return environ.get(PREFIX_ENV), environ.get(SCHEME_ENV)
-        reader = _set_name_reader((environ, data, encode(PREFIX_ENV), encode(SCHEME_ENV), decode))
+        reader = _reader = (environ, data, encode(PREFIX_ENV), encode(SCHEME_ENV), decode)
     data, decode = reader[1], reader[4]
     prefix = data.get(reader[2])
     scheme = data.get(reader[3])
@@ -276,15 +257,8 @@ def _name_environment() -> tuple[str | None, str | None]:
     )
 
 
-# (the os.environ read, its _data, the two encoded names, decodevalue), for _name_environment
-_NameReader = tuple[object, dict[object, object], object, object, Callable[..., str]]
-_name_reader: _NameReader | None = None
-
-
-def _set_name_reader(reader: _NameReader) -> _NameReader:
-    global _name_reader
-    _name_reader = reader
-    return reader
+# (the os.environ read, its _data, the two encoded names, decodevalue), for _environment
+_reader: tuple[object, dict[object, object], object, object, Callable[..., str]] | None = None
 
 
 def _validate_pair(name: tuple[object, ...]) -> tuple[int, int]:
@@ -299,9 +273,7 @@ def _validate_pair(name: tuple[object, ...]) -> tuple[int, int]:
     return first, second
 
 
-def _resolve_scheme(scheme: str | None) -> str:
-    if scheme is None:
-        scheme = _environment(SCHEME_ENV) or DEFAULT_SCHEME
+def _resolve_scheme(scheme: str) -> str:
     if scheme not in KEY_SCHEMES:
         raise ValueError(f"unknown key scheme {scheme!r}; expected one of {KEY_SCHEMES}")
     return scheme
