@@ -96,6 +96,7 @@ __all__ = [
     "RawDriver",
     "declare_pooler",
     "declared_pooler",
+    "execute_in_autocommit",
     "holds_at_checkin",
     "release_at_checkin",
     "translate_error",
@@ -518,18 +519,24 @@ class SyncAutocommitExecutor:
         connection = self._connection
         if self._autocommit(connection) or self._status(connection) != IDLE:
             return self._inner.execute(statement)
-        driver = self._driver
-        driver.set_autocommit(connection, True)
-        try:
-            result = self._inner.execute(statement)
-        except BaseException:
-            # A connection that broke cannot be switched back, and the statement's own
-            # error is the one to report.
-            with contextlib.suppress(Exception):
-                driver.set_autocommit(connection, False)
-            raise
-        driver.set_autocommit(connection, False)
-        return result
+        return execute_in_autocommit(self._driver, connection, self._inner.execute, statement)
+
+
+def execute_in_autocommit(
+    driver: RawDriver, connection: Any, execute: Callable[[Statement], Any], statement: Statement
+) -> Any:
+    """``execute(statement)`` with the connection switched to autocommit for it alone."""
+    driver.set_autocommit(connection, True)
+    try:
+        result = execute(statement)
+    except BaseException:
+        # A connection that broke cannot be switched back, and the statement's own
+        # error is the one to report.
+        with contextlib.suppress(Exception):
+            driver.set_autocommit(connection, False)
+        raise
+    driver.set_autocommit(connection, False)
+    return result
 
 
 class AutocommitExecutor(SyncAutocommitExecutor):
@@ -1006,13 +1013,9 @@ class RawBinding:
         return ConnectionSite(self.driver, bind)
 
     def lock(self, bind: Any, key: LockKey, options: LockOptions) -> Any:
-        site = (
-            self._site(bind, transaction=options.transaction)
-            if self._is_pool(bind)
-            else ConnectionSite(self.driver, bind)
-        )
+        site = self._site(bind, transaction=options.transaction)
         lock = AdvisoryLock(site, key, options)
-        return AsyncAdvisoryLock(lock, site.run, native=True) if self.is_async else lock
+        return AsyncAdvisoryLock(lock, site.run) if self.is_async else lock
 
     def lock_set(
         self, bind: Any, keys: list[LockKey], options: LockOptions, timeout: Timeout

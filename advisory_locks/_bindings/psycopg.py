@@ -6,7 +6,6 @@ What a raw bind means (transactions, pools, poolers) is in ``_raw``.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any
 
@@ -19,6 +18,7 @@ from advisory_locks._bindings._raw import (
     IDLE,
     RawBinding,
     RawDriver,
+    execute_in_autocommit,
     holds_at_checkin,
     release_at_checkin,
     translate_error,
@@ -50,26 +50,33 @@ class PsycopgLockExecutor:
     closed connection fails, and that error says the connection is gone.)
     """
 
-    __slots__ = ("_backend", "_cursor", "_mutex", "connection", "session", "state")
+    __slots__ = ("_backend", "_cursor", "_mutex", "connection", "session_driver", "state")
 
     def __init__(
-        self, connection: Any, state: dict[str, Any], backend: Backend, *, session: bool = False
+        self,
+        connection: Any,
+        state: dict[str, Any],
+        backend: Backend,
+        *,
+        session_driver: RawDriver | None = None,
     ) -> None:
         self.connection = connection
         self.state = state
         self._backend = backend
         self._cursor: Any = None
         self._mutex = threading.Lock()
-        # A session lock's executor: a statement on an idle connection that is not in
-        # autocommit runs switched to autocommit, so it begins no transaction (the rule
-        # of _raw.SyncAutocommitExecutor, asked here in the same call).
-        self.session = session
+        # Given for a session lock's executor: a statement on an idle connection that is
+        # not in autocommit runs switched to autocommit by this driver, so it begins no
+        # transaction (the rule of _raw.SyncAutocommitExecutor, asked here in the same
+        # call).
+        self.session_driver = session_driver
 
     def execute(self, statement: Statement) -> object:
-        if self.session:
+        driver = self.session_driver
+        if driver is not None:
             connection = self.connection
             if connection.pgconn.transaction_status == IDLE and not connection.autocommit:
-                return self._in_autocommit(statement)
+                return execute_in_autocommit(driver, connection, self.execute, statement)
         try:
             with self._mutex:
                 cursor = self._cursor
@@ -89,20 +96,6 @@ class PsycopgLockExecutor:
                 return [] if cursor.description is None else cursor.fetchall()
         except Exception as error:
             raise translate_error(error, self._backend) from error
-
-    def _in_autocommit(self, statement: Statement) -> object:
-        connection = self.connection
-        connection.autocommit = True
-        try:
-            result = self.execute(statement)
-        except BaseException:
-            # A connection that broke cannot be switched back, and the statement's own
-            # error is the one to report.
-            with contextlib.suppress(Exception):
-                connection.autocommit = False
-            raise
-        connection.autocommit = False
-        return result
 
 
 class PsycopgDriver(RawDriver):
@@ -130,7 +123,7 @@ class PsycopgDriver(RawDriver):
     def session_lock_executor(
         self, connection: Any, scratch: dict[str, Any], backend: Backend
     ) -> Any:
-        return PsycopgLockExecutor(connection, scratch, backend, session=True)
+        return PsycopgLockExecutor(connection, scratch, backend, session_driver=self)
 
     def pool_of(self, connection: Any) -> Any:
         return pool_of(connection)
