@@ -191,7 +191,7 @@ class AdvisoryLock(LockContract):
 
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
-        # The rules of acquire_steps() (the async lock's and a lock set's path), run with
+        # The rules of acquire_steps() (a lock set's path), run with
         # blocking calls directly: no step driver between the lock and its connection.
         if self._reenter():
             return True
@@ -720,24 +720,18 @@ class AsyncAdvisoryLock(AsyncLockContract):
     """The awaitable twin of [`AdvisoryLock`][advisory_locks.AdvisoryLock], for asyncio
     binds: ``async with``, ``await acquire()``, ``await release()``."""
 
-    __slots__ = ("_call", "_lock", "_native", "_run")
+    __slots__ = ("_call", "_lock", "_run")
 
     def __init__(
-        self,
-        lock: AdvisoryLock,
-        run: StepRunner,
-        *,
-        native: bool = False,
-        call: BlockingRunner | None = None,
+        self, lock: AdvisoryLock, run: StepRunner, *, call: BlockingRunner | None = None
     ) -> None:
         self._lock = lock
+        # ensure_held() runs as steps, by ``run``.
         self._run = run
-        # How acquire and release reach the connection: ``native``, a site whose
-        # connections are awaited (aborrow, awaiting executors: asyncpg, psycopg's
-        # AsyncConnection), awaited directly; ``call``, a runner of blocking code
-        # (SQLAlchemy's greenlet bridge), the blocking lock's own acquire and release in
-        # it; otherwise the steps, run by ``run``.
-        self._native = native
+        # How acquire and release reach the connection: given ``call``, a runner of
+        # blocking code (SQLAlchemy's greenlet bridge), the blocking lock's own acquire
+        # and release run in it; without, the site's connections are awaited (aborrow,
+        # awaiting executors: asyncpg, psycopg's AsyncConnection) directly.
         self._call = call
 
     @property
@@ -754,25 +748,19 @@ class AsyncAdvisoryLock(AsyncLockContract):
 
     async def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
-        if self._native:
-            return await self._lock.aacquire()
         call = self._call
-        if call is not None:
-            called: bool = await call(self._lock.acquire)
-            return called
-        granted: bool = await self._run(self._lock.acquire_steps())
+        if call is None:
+            return await self._lock.aacquire()
+        granted: bool = await call(self._lock.acquire)
         return granted
 
     async def release(self) -> None:
         """Give the lock back (a transaction lock stays with its transaction)."""
-        if self._native:
-            await self._lock.arelease()
-            return
         call = self._call
-        if call is not None:
+        if call is None:
+            await self._lock.arelease()
+        else:
             await call(self._lock.release)
-            return
-        await self._run(self._lock.release_steps())
 
     async def ensure_held(self) -> None:
         """Ask the server whether it still holds this lock; raise LockLost if not."""
