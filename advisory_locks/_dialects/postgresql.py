@@ -360,10 +360,6 @@ _LOCK_FUNCTIONS: Final = {
 }
 
 
-def _placeholders(key: LockKey) -> str:
-    return ", ".join(["%s"] * len(key.ints))
-
-
 @cache
 def _statement_for(template: str, function: str, arity: int) -> str:
     # A handful of distinct texts (function x key arity): built once, not per lock.
