@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 
 from advisory_locks.keys import derive_key
 from advisory_locks.sqlalchemy import advisory_lock
+from benchmarks import floors
 from benchmarks.postgres import raw_connection
 from benchmarks.uncontended import TIMEOUT_LOCK_SQL, UNLOCK_SQL
 
@@ -50,7 +51,15 @@ CLIENTS = {
     "pglock.timeout": f"django-pglock: pglock.advisory(name, timeout={WAIT_SECONDS})",
     "pals.timeout": f"pals: Locker.lock(name, acquire_timeout={WAIT_SECONDS * 1000})",
     "raw.client_polling": "pg_try_advisory_lock every 50-150 ms (the Rails gem's way)",
+    "floor.engine.timeout": "the Engine's bind floor (benchmarks.floors.EngineFloor)",
+    "floor.connection.timeout": "the Connection's bind floor (benchmarks.floors.ConnectionFloor)",
+    "floor.session.timeout": "the Session's bind floor (benchmarks.floors.SessionFloor)",
+    "floor.django.timeout": "Django's bind floor (benchmarks.floors.DjangoFloor)",
+    "floor.psycopg.contract": (
+        "the contract floor on a raw psycopg connection (benchmarks.floors._ContractFloorLock)"
+    ),
 }
+WAIT_MS = str(WAIT_SECONDS * 1000)
 
 
 @dataclass
@@ -120,6 +129,8 @@ def make_client(
         return Client(take_raw, _ids(key))
     if kind == "raw.client_polling":
         return _polling_client(url, stack, key, on_busy)
+    if kind.startswith("floor."):
+        return Client(_floor_take(kind, name, key, url, stack), _ids(key))
     if kind.startswith("ours.") and "django" not in kind:
         engine = create_engine(url)
         stack.callback(engine.dispose)
@@ -181,6 +192,38 @@ def make_client(
 
         return Client(take_pals, _ids(pals_key(name)))
     raise ValueError(f"unknown client {kind!r}; one of {sorted(CLIENTS)}")
+
+
+def _floor_take(kind: str, name: str, key: int, url: URL, stack: ExitStack) -> Take:
+    """A bind floor as a client, waiting in the server as ours does, on the same key."""
+    if kind == "floor.psycopg.contract":
+        return floors.contract_floor_take(raw_connection(url, stack), name, WAIT_SECONDS)
+    floor: floors.FloorLock
+    if kind == "floor.django.timeout":
+        setup_django(url)
+        floor = floors.DjangoFloor(key, WAIT_MS)
+    else:
+        engine = create_engine(url)
+        stack.callback(engine.dispose)
+        if kind == "floor.engine.timeout":
+            floor = floors.EngineFloor(engine, key, WAIT_MS)
+        elif kind == "floor.connection.timeout":
+            connection = engine.connect()
+            stack.callback(connection.close)
+            floor = floors.ConnectionFloor(connection, key, WAIT_MS)
+        elif kind == "floor.session.timeout":
+            session = Session(engine)
+            stack.callback(session.close)
+            floor = floors.SessionFloor(session, key, WAIT_MS)
+        else:
+            raise ValueError(f"unknown client {kind!r}; one of {sorted(CLIENTS)}")
+    acquire, release = floor.acquire, floor.release
+
+    def take() -> Callable[[], None]:
+        acquire()
+        return release
+
+    return take
 
 
 def _polling_client(url: URL, stack: ExitStack, key: int, on_busy: Callable[[], None]) -> Client:

@@ -11,6 +11,10 @@ connection (as the library keeps), and nothing else: no lock object, no bookkeep
 events. So ``floor / twin`` is what the bind itself costs (no library on that bind can go
 below it), and ``ours / floor`` is what the library adds on top.
 
+Each floor is a lock with ``acquire`` and ``release``, so the same code is timed
+uncontended here and runs in the handoff and throughput clients (benchmarks.clients),
+where a bind's floor shows what the handoff and throughput targets leave on that bind.
+
 The floors cover the path the benchmark takes (no transaction open); where a transaction
 is open a library would have to join it, which a floor refuses rather than imitates.
 """
@@ -18,12 +22,14 @@ is open a library would have to join it, which a floor refuses rather than imita
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import psycopg
 from psycopg.pq import TransactionStatus
 from sqlalchemy.engine import URL, Engine
+from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 
@@ -38,7 +44,13 @@ from benchmarks.uncontended import (
 )
 
 __all__ = [
+    "ConnectionFloor",
+    "DjangoFloor",
+    "EngineFloor",
+    "FloorLock",
+    "SessionFloor",
     "connection_floor",
+    "contract_floor_take",
     "django_floor",
     "engine_floor",
     "psycopg_contract_floor",
@@ -48,6 +60,17 @@ __all__ = [
 FLOOR_KEY_BASE = RAW_KEY_BASE + 60
 CURSOR_INFO_KEY = "benchmarks.floor_cursor"
 IDLE = TransactionStatus.IDLE
+TIMEOUT_MS = str(TIMEOUT_SECONDS * 1000)
+
+
+class FloorLock(Protocol):
+    """A floor as a lock: ``acquire`` waits in the server (up to its timeout), ``release``
+    gives the lock back. The uncontended cases call one after the other; the handoff and
+    throughput clients (benchmarks.clients) hold the lock in between, like ours."""
+
+    def acquire(self) -> None: ...
+
+    def release(self) -> None: ...
 
 
 def _cursor(fairy: PoolProxiedConnection) -> Any:
@@ -60,93 +83,93 @@ def _cursor(fairy: PoolProxiedConnection) -> Any:
     return cursor
 
 
-def _lock_unlock(cursor: Any, key: int) -> None:
-    cursor.execute(TIMEOUT_LOCK_SQL, (key, str(TIMEOUT_SECONDS * 1000)))
-    cursor.fetchone()
-    cursor.execute(UNLOCK_SQL, (key,))
-    cursor.fetchone()
+def _run(cursor: Any, sql: str, params: tuple[object, ...]) -> None:
+    cursor.execute(sql, params)
+    row = cursor.fetchone()
+    if not (row and row[0] is not False):
+        # pg_advisory_unlock answers False for a lock this session did not hold.
+        raise RuntimeError(f"floor: {sql} answered {row}")
 
 
-def engine_floor(url: URL, stack: ExitStack) -> Case:
-    tracked = TrackedEngine(url, stack)
-    engine = tracked.engine
-    key = FLOOR_KEY_BASE
+class EngineFloor:
+    """On an Engine: a pool checkout, autocommit on for as long as the lock is held (a
+    session lock must not run inside a transaction the pool then rolls back: the driver
+    would send a BEGIN first and the checkin a ROLLBACK, two more round trips), the lock
+    statement; at release the unlock, autocommit off, the checkin with the pool's
+    reset-on-return (nothing to roll back)."""
 
-    def operation(watch: Stopwatch) -> None:
-        watch.start()
-        fairy = engine.raw_connection()
+    __slots__ = ("_engine", "_held", "_lock_params", "_unlock_params")
+
+    def __init__(self, engine: Engine, key: int, timeout_ms: str = TIMEOUT_MS) -> None:
+        self._engine = engine
+        self._lock_params = (key, timeout_ms)
+        self._unlock_params = (key,)
+        self._held: tuple[PoolProxiedConnection, Any, Any] | None = None
+
+    def acquire(self) -> None:
+        fairy = self._engine.raw_connection()
         dbapi: Any = fairy.dbapi_connection
         cursor = _cursor(fairy)
-        # The pool hands the connection out with autocommit off. A session lock must not
-        # run inside a transaction the pool then rolls back: the driver would send a
-        # BEGIN first and the checkin a ROLLBACK, two more round trips.
         dbapi.autocommit = True
-        _lock_unlock(cursor, key)
+        _run(cursor, TIMEOUT_LOCK_SQL, self._lock_params)
+        self._held = (fairy, dbapi, cursor)
+
+    def release(self) -> None:
+        held = self._held
+        assert held is not None
+        fairy, dbapi, cursor = held
+        self._held = None
+        _run(cursor, UNLOCK_SQL, self._unlock_params)
         dbapi.autocommit = False
-        fairy.close()  # checkin, with the pool's reset-on-return (nothing to roll back)
-        watch.stop()
-
-    return Case(
-        "floor.engine.timeout",
-        "floor",
-        "by hand on an Engine: raw_connection() checkout, autocommit on, the twin's two "
-        "statements, autocommit off, checkin",
-        operation,
-        twin=TWIN,
-        sockets=tracked.sockets,
-    )
+        fairy.close()
 
 
-def connection_floor(url: URL, stack: ExitStack) -> Case:
-    tracked = TrackedEngine(url, stack)
-    connection = tracked.engine.connect()
-    stack.callback(connection.close)
-    key = FLOOR_KEY_BASE + 1
+class ConnectionFloor:
+    """On a SQLAlchemy Connection outside a transaction: between statements the
+    connection is in the mode the application configured (autocommit off), so each
+    statement asks the driver whether a transaction is open (it would have to join it)
+    and switches autocommit on only around itself."""
 
-    def statement(dbapi: Any, cursor: Any, sql: str, params: tuple[object, ...]) -> None:
-        # Between statements the connection is in the mode the application configured
-        # (autocommit off): each statement asks whether a transaction is open (it would
-        # have to join it) and switches autocommit on only around itself.
+    __slots__ = ("_connection", "_lock_params", "_unlock_params")
+
+    def __init__(self, connection: SAConnection, key: int, timeout_ms: str = TIMEOUT_MS) -> None:
+        self._connection = connection
+        self._lock_params = (key, timeout_ms)
+        self._unlock_params = (key,)
+
+    def _statement(self, sql: str, params: tuple[object, ...]) -> None:
+        fairy = self._connection.connection
+        dbapi: Any = fairy.dbapi_connection
         if dbapi.pgconn.transaction_status != IDLE:
             raise RuntimeError("floor.connection covers a Connection outside a transaction")
         dbapi.autocommit = True
-        cursor.execute(sql, params)
-        cursor.fetchone()
+        _run(_cursor(fairy), sql, params)
         dbapi.autocommit = False
 
-    def operation(watch: Stopwatch) -> None:
-        watch.start()
-        fairy = connection.connection
-        dbapi = fairy.dbapi_connection
-        cursor = _cursor(fairy)
-        statement(dbapi, cursor, TIMEOUT_LOCK_SQL, (key, str(TIMEOUT_SECONDS * 1000)))
-        statement(dbapi, cursor, UNLOCK_SQL, (key,))
-        watch.stop()
+    def acquire(self) -> None:
+        self._statement(TIMEOUT_LOCK_SQL, self._lock_params)
 
-    return Case(
-        "floor.connection.timeout",
-        "floor",
-        "by hand on a Connection outside a transaction: per statement, ask the driver "
-        "whether a transaction is open, autocommit on, execute, autocommit off",
-        operation,
-        twin=TWIN,
-        sockets=tracked.sockets,
-    )
+    def release(self) -> None:
+        self._statement(UNLOCK_SQL, self._unlock_params)
 
 
-def session_floor(url: URL, stack: ExitStack) -> Case:
-    tracked = TrackedEngine(url, stack)
-    session = Session(tracked.engine)
-    stack.callback(session.close)
-    key = FLOOR_KEY_BASE + 2
+class SessionFloor:
+    """On a Session outside a transaction: the lock gets a connection of its own from the
+    Session's engine pool and (the documented contract: one pooled connection per
+    Session) the Session's transactions are routed to it while the lock is held, so it
+    is a Connection set as ``session.bind``, which goes back to the Engine after the
+    last lock; autocommit on around the lock as on an Engine."""
 
-    def operation(watch: Stopwatch) -> None:
-        watch.start()
-        # A Session outside a transaction: the lock gets a connection of its own from the
-        # Session's engine pool, and (the documented contract: one pooled connection per
-        # Session) the Session's transactions are routed to it while a lock is held, so
-        # it is a Connection set as session.bind, which goes back to the Engine after
-        # the last lock.
+    __slots__ = ("_held", "_lock_params", "_session", "_unlock_params")
+
+    def __init__(self, session: Session, key: int, timeout_ms: str = TIMEOUT_MS) -> None:
+        self._session = session
+        self._lock_params = (key, timeout_ms)
+        self._unlock_params = (key,)
+        self._held: tuple[Engine, SAConnection, Any, Any] | None = None
+
+    def acquire(self) -> None:
+        session = self._session
         if session.get_transaction() is not None:
             raise RuntimeError("floor.session covers a Session outside a transaction")
         engine = session.get_bind()
@@ -157,26 +180,26 @@ def session_floor(url: URL, stack: ExitStack) -> Case:
         dbapi: Any = fairy.dbapi_connection
         cursor = _cursor(fairy)
         dbapi.autocommit = True
-        _lock_unlock(cursor, key)
+        _run(cursor, TIMEOUT_LOCK_SQL, self._lock_params)
+        self._held = (engine, connection, dbapi, cursor)
+
+    def release(self) -> None:
+        held = self._held
+        assert held is not None
+        engine, connection, dbapi, cursor = held
+        self._held = None
+        _run(cursor, UNLOCK_SQL, self._unlock_params)
         dbapi.autocommit = False
-        session.bind = engine
+        self._session.bind = engine
         connection.close()  # checkin, with the pool's reset-on-return
-        watch.stop()
-
-    return Case(
-        "floor.session.timeout",
-        "floor",
-        "by hand on a Session: get_bind(), a Connection checked out and set as "
-        "session.bind, autocommit on, the twin's two statements, autocommit off, the "
-        "Engine back as session.bind, checkin",
-        operation,
-        twin=TWIN,
-        sockets=tracked.sockets,
-    )
 
 
-def django_floor(sockets: Any) -> Case:
-    """On Django's default connection (configured by the caller), in autocommit.
+class DjangoFloor:
+    """On Django's connection: Django's connections are per thread, so find this
+    thread's, connected (``get_autocommit()`` connects first if needed), and make sure
+    no transaction is open (autocommit, outside ``atomic()``) that the lock would have
+    to join; then the twin's statements on a reused cursor of its psycopg connection,
+    which the release uses again.
 
     Django opens its psycopg connections with ``prepare_threshold=None`` unless OPTIONS
     say otherwise (prepared statements break behind transaction poolers), so unlike the
@@ -184,36 +207,93 @@ def django_floor(sockets: Any) -> Case:
     client builds a Parse message for each: part of what this bind costs, in wall time
     above all, which a library that leaves Django's configuration alone cannot avoid.
     """
-    from django.db import DEFAULT_DB_ALIAS, connections
 
-    key = FLOOR_KEY_BASE + 3
-    cached: list[Any] = [None, None]  # the psycopg connection and its cursor
+    __slots__ = ("_cursor", "_lock_params", "_raw", "_unlock_params")
 
-    def operation(watch: Stopwatch) -> None:
-        watch.start()
-        # Django's connections are per thread: find this thread's, connected, and make
-        # sure no transaction is open (autocommit, outside atomic()) that the lock would
-        # have to join. get_autocommit() connects first if needed.
+    def __init__(self, key: int, timeout_ms: str = TIMEOUT_MS) -> None:
+        self._lock_params = (key, timeout_ms)
+        self._unlock_params = (key,)
+        self._raw: Any = None
+        self._cursor: Any = None
+
+    def acquire(self) -> None:
+        from django.db import DEFAULT_DB_ALIAS, connections
+
         wrapper = connections[DEFAULT_DB_ALIAS]
         if not wrapper.get_autocommit() or wrapper.in_atomic_block:
             raise RuntimeError("floor.django covers Django's connection in autocommit")
         raw = wrapper.connection
-        if cached[0] is not raw:
+        if self._raw is not raw:
             # The twin's cursor class: Django's cursor factory binds parameters on the
             # client (psycopg's ClientCursor), which a library need not use.
-            cached[:] = [raw, psycopg.Cursor(raw)]
-        _lock_unlock(cached[1], key)
+            self._raw, self._cursor = raw, psycopg.Cursor(raw)
+        _run(self._cursor, TIMEOUT_LOCK_SQL, self._lock_params)
+
+    def release(self) -> None:
+        _run(self._cursor, UNLOCK_SQL, self._unlock_params)
+
+
+def _floor_case(
+    name: str, description: str, floor: FloorLock, sockets: Callable[[], list[int]]
+) -> Case:
+    acquire, release = floor.acquire, floor.release
+
+    def operation(watch: Stopwatch) -> None:
+        watch.start()
+        acquire()
+        release()
         watch.stop()
 
-    return Case(
+    return Case(name, "floor", description, operation, twin=TWIN, sockets=sockets)
+
+
+def engine_floor(url: URL, stack: ExitStack) -> Case:
+    tracked = TrackedEngine(url, stack)
+    return _floor_case(
+        "floor.engine.timeout",
+        "by hand on an Engine: raw_connection() checkout, autocommit on, the twin's two "
+        "statements, autocommit off, checkin",
+        EngineFloor(tracked.engine, FLOOR_KEY_BASE),
+        tracked.sockets,
+    )
+
+
+def connection_floor(url: URL, stack: ExitStack) -> Case:
+    tracked = TrackedEngine(url, stack)
+    connection = tracked.engine.connect()
+    stack.callback(connection.close)
+    return _floor_case(
+        "floor.connection.timeout",
+        "by hand on a Connection outside a transaction: per statement, ask the driver "
+        "whether a transaction is open, autocommit on, execute, autocommit off",
+        ConnectionFloor(connection, FLOOR_KEY_BASE + 1),
+        tracked.sockets,
+    )
+
+
+def session_floor(url: URL, stack: ExitStack) -> Case:
+    tracked = TrackedEngine(url, stack)
+    session = Session(tracked.engine)
+    stack.callback(session.close)
+    return _floor_case(
+        "floor.session.timeout",
+        "by hand on a Session: get_bind(), a Connection checked out and set as "
+        "session.bind, autocommit on, the twin's two statements, autocommit off, the "
+        "Engine back as session.bind, checkin",
+        SessionFloor(session, FLOOR_KEY_BASE + 2),
+        tracked.sockets,
+    )
+
+
+def django_floor(sockets: Callable[[], list[int]]) -> Case:
+    """On Django's default connection (configured by the caller), in autocommit."""
+    return _floor_case(
         "floor.django.timeout",
-        "floor",
         "by hand on Django's connection: connections['default'], connected and in "
         "autocommit outside atomic(), the twin's two statements on a reused cursor of "
         "its psycopg connection",
-        operation,
-        twin=TWIN,
-        sockets=sockets,
+        DjangoFloor(FLOOR_KEY_BASE + 3),
+        sockets,
     )
 
 
@@ -274,6 +354,10 @@ class _ContractFloorLock:
         holders[self._key] = 1
         return self
 
+    def release(self) -> None:
+        """For the handoff and throughput clients, which hold the lock between calls."""
+        self.__exit__(None, None, None)
+
     def __exit__(self, *exc_info: object) -> None:
         connection = self._connection
         holders, cursor = connection.__dict__[_REGISTRY]
@@ -294,6 +378,20 @@ class _ContractFloorLock:
 
 
 _REGISTRY = "_benchmarks_contract_floor"
+
+
+def contract_floor_take(
+    connection: Any, name: str, timeout: float
+) -> Callable[[], Callable[[], None]]:
+    """The contract floor for a client that holds the lock between acquire and release:
+    ``take()`` builds the lock object and enters it, and returns what leaves it."""
+
+    def take() -> Callable[[], None]:
+        lock = _ContractFloorLock(connection, name, timeout)
+        lock.__enter__()
+        return lock.release
+
+    return take
 
 
 def psycopg_contract_floor(connection: Any, sockets: Any) -> Case:

@@ -26,12 +26,19 @@ from benchmarks.clients import make_client
 
 __all__ = ["THROUGHPUT_KINDS", "ThroughputResult", "run_throughput"]
 
+# Each bind's floor (benchmarks.floors) runs right before ours on that bind: what the
+# bind itself leaves of the raw throughput, which no library on it can exceed.
 THROUGHPUT_KINDS = [
     "raw.timeout",
+    "floor.engine.timeout",
     "ours.engine.timeout",
+    "floor.connection.timeout",
     "ours.connection.timeout",
+    "floor.session.timeout",
     "ours.session.timeout",
+    "floor.django.timeout",
     "ours.django.timeout",
+    "floor.psycopg.contract",
     "ours.psycopg.timeout",
     "pglock.timeout",
     "pals.timeout",
