@@ -215,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
         "--throughput-seconds", type=float, default=0.5, help="length of one throughput sample"
     )
     parser.add_argument(
-        "--throughput-rounds", type=int, default=3, help="interleaved throughput rounds"
+        "--throughput-rounds", type=int, default=5, help="interleaved throughput rounds"
     )
     parser.add_argument(
         "--chart",
