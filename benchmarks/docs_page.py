@@ -87,7 +87,9 @@ def render(report: Report, arguments: list[str]) -> str:
     if report.handoff:
         lines += [
             "**Handoff** from the holder's release call to the blocked waiter's acquire "
-            "returning, the waiter in its own process:",
+            "returning, the waiter in its own process. A `floor.*` row is that bind's floor "
+            "holding between its acquire and release: the handoff the bind itself allows, "
+            "which no library on it can beat.",
             "",
             "| case | p50 ms | p90 ms | p99 ms | p50 x raw |",
             "| --- | ---: | ---: | ---: | ---: |",
@@ -102,7 +104,9 @@ def render(report: Report, arguments: list[str]) -> str:
         workers = report.throughput[0].workers
         lines += [
             f"**Throughput**, {workers} worker processes, acquire + release per second "
-            "(`x raw` against raw SQL with a timeout, the ratio taken per round):",
+            "(`x raw` against raw SQL with a timeout, the ratio taken per round). A "
+            "`floor.*` row is the floor of the bind in the row below it: the throughput the "
+            "bind itself allows, which no library on it can exceed.",
             "",
             "| case | one key | x raw | distinct keys | x raw |",
             "| --- | ---: | ---: | ---: | ---: |",
