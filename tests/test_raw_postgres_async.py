@@ -377,6 +377,31 @@ async def test_a_lock_set_on_a_pool_uses_one_connection(dsn: str, pg_admin: Admi
             await target.close()
 
 
+async def test_a_lock_set_that_meets_a_busy_lock_gives_back_what_it_took(
+    target: AsyncRawTarget, dsn: str
+) -> None:
+    # The lock taken last (the highest key) is held elsewhere: the set takes the others
+    # first, waits out its timeout, gives them back, and holds nothing.
+    names = sorted(
+        (unique_name("aset-x"), unique_name("aset-y"), unique_name("aset-z")), key=unique_key
+    )
+    with psycopg.connect(dsn, autocommit=True) as other:
+        other.execute("SELECT pg_advisory_lock(%s)", [unique_key(names[-1])])
+        locks = advisory_lock_set(await target.bind(), names, timeout=0.2)
+        assert not await locks.acquire()
+        assert not locks.held
+        assert [is_free(dsn, name) for name in names[:-1]] == [True, True]
+        with pytest.raises(LockNotAcquired):
+            async with locks:
+                pass
+        other.execute("SELECT pg_advisory_unlock(%s)", [unique_key(names[-1])])
+    assert await locks.acquire()
+    assert locks.held
+    assert not any(is_free(dsn, name) for name in names)
+    await locks.release()
+    assert all(is_free(dsn, name) for name in names)
+
+
 # -- asyncpg's pool resets a returned connection ----------------------------------------------
 
 

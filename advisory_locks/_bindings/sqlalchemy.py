@@ -180,7 +180,7 @@ class SQLAlchemyBinding:
         )
         if sync is bind:
             return lock_set
-        return AsyncAdvisoryLockSet(lock_set, _run_in_greenlet(site))
+        return AsyncAdvisoryLockSet(lock_set, _run_in_greenlet(site), call=_call_in_greenlet)
 
     def held_names(self, bind: Any) -> list[LockName]:
         names: list[LockName] = _site_for(sync_bind(bind), transaction=False).held_names()

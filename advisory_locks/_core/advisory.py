@@ -35,7 +35,6 @@ from advisory_locks._core.contract import (
 )
 from advisory_locks._core.events import EventSource, LockEvent
 from advisory_locks._core.steps import (
-    Borrow,
     Settle,
     Steps,
     aperform,
@@ -191,8 +190,8 @@ class AdvisoryLock(LockContract):
 
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
-        # The rules of acquire_steps() (a lock set's path), run with
-        # blocking calls directly: no step driver between the lock and its connection.
+        # Blocking calls directly, no step driver between the lock and its connection;
+        # aacquire() is the same rules, awaited.
         if self._reenter():
             return True
         site = self._site
@@ -240,7 +239,7 @@ class AdvisoryLock(LockContract):
 
     def release(self) -> None:
         """Give the lock back (a transaction lock stays with its transaction)."""
-        # The rules of release_steps(), run with blocking calls directly.
+        # arelease() is the same rules, awaited.
         let_go = self._let_go()
         if let_go is None:
             return
@@ -282,55 +281,9 @@ class AdvisoryLock(LockContract):
             name=self.name,
         )
 
-    # -- the rules, as steps --------------------------------------------------------------
-
-    def acquire_steps(self) -> Steps[bool]:
-        if self._reenter():
-            return True
-        options = self.options
-        # No clock is read unless someone listens for events.
-        started = time.monotonic() if events.listeners else None
-        try:
-            try:
-                borrowed: Borrowed = yield Borrow(options.transaction)
-            except BaseException as error:
-                self._borrow_failed(started, error)
-            state = borrowed.state
-            if state.inherited:
-                yield from self._refuse_inherited(borrowed)
-            holding = state.find(
-                self.key_info, shared=options.shared, transaction=options.transaction
-            )
-            if holding is None:
-                try:
-                    granted = yield from on(
-                        borrowed.executor,
-                        self._site.backend.acquire(
-                            state.driver_state,
-                            self.key_info,
-                            shared=options.shared,
-                            transaction=options.transaction,
-                            timeout=options.timeout,
-                            in_transaction=borrowed.in_transaction,
-                        ),
-                    )
-                except BaseException as error:
-                    yield from self._acquire_failed(started, borrowed, error)
-                if not granted:
-                    return (yield from self._refused(started, borrowed))
-                holding = self._granted(started, state)
-            holding.count += 1
-            self._count = 1
-            self._borrowed = borrowed
-            self._holding = holding
-            return True
-        finally:
-            if not self._count:
-                self._owner = None
-
     async def aacquire(self) -> bool:
         """``acquire()`` on a site whose connections are awaited (``aborrow``, awaiting
-        executors): the rules of ``acquire_steps()``, each request awaited directly."""
+        executors): the same rules, each request awaited directly."""
         if self._reenter():
             return True
         site = self._site
@@ -525,32 +478,6 @@ class AdvisoryLock(LockContract):
     ) -> None:
         if events.listeners:
             report_loss(holding, self._source(state), reason, error)
-
-    def release_steps(self) -> Steps[None]:
-        let_go = self._let_go()
-        if let_go is None:
-            return
-        holding, borrowed = let_go
-        state = borrowed.state
-        if holding.count > 0 or holding.transaction or state.inherited or not holding.active:
-            yield from self._release_without_unlock(holding, borrowed)
-            return
-        try:
-            released = yield from on(
-                borrowed.executor,
-                self._site.backend.release(
-                    state.driver_state, self.key_info, shared=self.options.shared
-                ),
-            )
-        except BaseException as error:
-            yield from self._release_failed(holding, borrowed, error)
-            return
-        state.end(holding, "unlock" if released else "lost")
-        borrowed.done()
-        if not getattr(borrowed, "settled_by_done", False):
-            yield Settle(borrowed)
-        if not released:
-            raise self._not_released(holding, state)
 
     async def arelease(self) -> None:
         """``release()`` on a site whose connections are awaited (see ``aacquire``)."""
@@ -807,53 +734,63 @@ class AdvisoryLockSet:
 
     def acquire(self) -> bool:
         """Take every lock in key order; False (holding none) when one stayed busy."""
-        return run_steps(self.acquire_steps(), self._site)
+        deadline = self._deadline()
+        taken: list[AdvisoryLock] = []
+        try:
+            for lock in self.locks:
+                self._limit(lock, deadline)
+                if not lock.acquire():
+                    self._refused = lock
+                    _release_all(taken)
+                    return False
+                taken.append(lock)
+        except BaseException:
+            _release_all(taken, quietly=True)
+            raise
+        return self._took(taken)
 
     def release(self) -> None:
         """Give every lock back, newest first; the first failure is raised after all ran."""
-        run_steps(self.release_steps(), self._site)
+        _release_all(self._give_back())
 
     def ensure_held(self) -> None:
         """[AdvisoryLock.ensure_held][advisory_locks.AdvisoryLock.ensure_held] for every lock of
         the set."""
         run_steps(self.ensure_held_steps(), self._site)
 
-    def acquire_steps(self) -> Steps[bool]:
+    def ensure_held_steps(self) -> Steps[None]:
+        for lock in self._taken:
+            yield from lock.ensure_held_steps()
+
+    # The parts of acquire and release that the blocking and the awaiting set share.
+
+    def _deadline(self) -> float | None:
         if self._taken:
             raise LockUsageError("this lock set is already held; release it first")
-        deadline = None if not self.timeout else time.monotonic() + self.timeout
-        taken: list[AdvisoryLock] = []
-        try:
-            for lock in self.locks:
-                if deadline is not None:
-                    # Zero left means "try once", which is still an answer, not a hang.
-                    remaining = max(0.0, deadline - time.monotonic())
-                    lock.options = LockOptions(
-                        timeout=remaining,
-                        shared=lock.options.shared,
-                        transaction=lock.options.transaction,
-                    )
-                if not (yield from lock.acquire_steps()):
-                    self._refused = lock
-                    yield from _release_all(taken)
-                    return False
-                taken.append(lock)
-        except BaseException:
-            yield from _release_all(taken, quietly=True)
-            raise
+        return None if not self.timeout else time.monotonic() + self.timeout
+
+    @staticmethod
+    def _limit(lock: AdvisoryLock, deadline: float | None) -> None:
+        """Give ``lock`` what is left of the set's timeout."""
+        if deadline is not None:
+            # Zero left means "try once", which is still an answer, not a hang.
+            remaining = max(0.0, deadline - time.monotonic())
+            lock.options = LockOptions(
+                timeout=remaining,
+                shared=lock.options.shared,
+                transaction=lock.options.transaction,
+            )
+
+    def _took(self, taken: list[AdvisoryLock]) -> bool:
         self._taken = taken
         self._refused = None
         return bool(taken) or not self.locks
 
-    def release_steps(self) -> Steps[None]:
+    def _give_back(self) -> list[AdvisoryLock]:
         if not self._taken and self.locks:
             raise LockUsageError("this lock set is not held")
         taken, self._taken = self._taken, []
-        yield from _release_all(taken)
-
-    def ensure_held_steps(self) -> Steps[None]:
-        for lock in self._taken:
-            yield from lock.ensure_held_steps()
+        return taken
 
     def _not_acquired(self) -> LockNotAcquired:
         assert self._refused is not None
@@ -884,11 +821,17 @@ class AdvisoryLockSet:
 class AsyncAdvisoryLockSet:
     """The awaitable twin of [AdvisoryLockSet][advisory_locks.AdvisoryLockSet]."""
 
-    __slots__ = ("_run", "_set")
+    __slots__ = ("_call", "_run", "_set")
 
-    def __init__(self, lock_set: AdvisoryLockSet, run: StepRunner) -> None:
+    def __init__(
+        self, lock_set: AdvisoryLockSet, run: StepRunner, *, call: BlockingRunner | None = None
+    ) -> None:
         self._set = lock_set
+        # As for AsyncAdvisoryLock: ensure_held() runs as steps, by ``run``; given
+        # ``call``, the blocking set's acquire and release run in it, else each lock's
+        # are awaited directly.
         self._run = run
+        self._call = call
 
     @property
     def names(self) -> list[LockName]:
@@ -899,11 +842,32 @@ class AsyncAdvisoryLockSet:
         return self._set.held
 
     async def acquire(self) -> bool:
-        granted: bool = await self._run(self._set.acquire_steps())
-        return granted
+        """Take every lock in key order; False (holding none) when one stayed busy."""
+        lock_set = self._set
+        if self._call is not None:
+            granted: bool = await self._call(lock_set.acquire)
+            return granted
+        deadline = lock_set._deadline()
+        taken: list[AdvisoryLock] = []
+        try:
+            for lock in lock_set.locks:
+                lock_set._limit(lock, deadline)
+                if not await lock.aacquire():
+                    lock_set._refused = lock
+                    await _arelease_all(taken)
+                    return False
+                taken.append(lock)
+        except BaseException:
+            await _arelease_all(taken, quietly=True)
+            raise
+        return lock_set._took(taken)
 
     async def release(self) -> None:
-        await self._run(self._set.release_steps())
+        """Give every lock back, newest first; the first failure is raised after all ran."""
+        if self._call is not None:
+            await self._call(self._set.release)
+        else:
+            await _arelease_all(self._set._give_back())
 
     async def ensure_held(self) -> None:
         await self._run(self._set.ensure_held_steps())
@@ -953,11 +917,26 @@ def _driver_error(error: BaseException) -> BaseException:
     return error
 
 
-def _release_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> Steps[None]:
+def _release_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> None:
+    """Release ``locks`` newest first, every one of them; then raise the first failure
+    (unless ``quietly``: the set is already failing with another error)."""
     first_error: BaseException | None = None
     for lock in reversed(locks):
         try:
-            yield from lock.release_steps()
+            lock.release()
+        except Exception as error:
+            logger.debug("releasing %r from a lock set failed: %s", lock.name, error)
+            first_error = first_error or error
+    if first_error is not None and not quietly:
+        raise first_error
+
+
+async def _arelease_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> None:
+    """``_release_all`` for locks whose connections are awaited."""
+    first_error: BaseException | None = None
+    for lock in reversed(locks):
+        try:
+            await lock.arelease()
         except Exception as error:
             logger.debug("releasing %r from a lock set failed: %s", lock.name, error)
             first_error = first_error or error
