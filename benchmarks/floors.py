@@ -7,9 +7,10 @@ back in, keep the statements out of a transaction the pool or the application wo
 back, leave the connection's mode as the application configured it, find the thread's
 Django connection. Each floor here does exactly that by hand, directly against
 SQLAlchemy, Django and psycopg, with the twin's two statements and one cursor per DB-API
-connection (as the library keeps), and nothing else: no lock object, no bookkeeping, no
-events. So ``floor / twin`` is what the bind itself costs (no library on that bind can go
-below it), and ``ours / floor`` is what the library adds on top.
+connection (as the library keeps), and nothing else: no lock object per operation (a
+floor is built once per bind), no bookkeeping, no events. So ``floor / twin`` is what
+the bind itself costs (no library on that bind can go below it), and ``ours / floor``
+is what the library adds on top.
 
 Each floor is a lock with ``acquire`` and ``release``, so the same code is timed
 uncontended here and runs in the handoff and throughput clients (benchmarks.clients),
