@@ -10,7 +10,7 @@ import datetime
 import platform
 from pathlib import Path
 
-from benchmarks.report import Report
+from benchmarks.report import Report, ratio_text
 
 __all__ = ["DOCS_PAGE", "END", "START", "render", "write_docs_page"]
 
@@ -27,10 +27,6 @@ def _memory() -> str:
     except OSError:
         pass
     return "RAM unknown"
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
 
 
 def _code(name: str | None) -> str:
@@ -78,9 +74,9 @@ def render(report: Report, arguments: list[str]) -> str:
         for row in report.uncontended:
             lines.append(
                 f"| `{row.name}` | {row.median_us:.1f} | {row.p90_us:.1f} | "
-                f"{row.cpu_median_us:.1f} | {_ratio(row.cpu_ratio_to_twin)} | "
-                f"{_ratio(row.cpu_ratio_to_bind_floor)} | "
-                f"{_ratio(row.ratio_to_twin)} | {_trips(row.round_trips)} | "
+                f"{row.cpu_median_us:.1f} | {ratio_text(row.cpu_ratio_to_twin)} | "
+                f"{ratio_text(row.cpu_ratio_to_bind_floor)} | "
+                f"{ratio_text(row.ratio_to_twin)} | {_trips(row.round_trips)} | "
                 f"{_code(row.twin)} | {_code(row.bind_floor)} |"
             )
         lines.append("")
@@ -97,7 +93,7 @@ def render(report: Report, arguments: list[str]) -> str:
         for result in report.handoff:
             lines.append(
                 f"| `{result.name}` | {result.p50_ms:.3f} | {result.p90_ms:.3f} | "
-                f"{result.p99_ms:.3f} | {_ratio(result.ratio_p50_to_raw)} |"
+                f"{result.p99_ms:.3f} | {ratio_text(result.ratio_p50_to_raw)} |"
             )
         lines.append("")
     if report.throughput:
@@ -116,8 +112,8 @@ def render(report: Report, arguments: list[str]) -> str:
         for kind in kinds:
             one, many = by_case.get((kind, "one")), by_case.get((kind, "many"))
             lines.append(
-                f"| `{kind}` | {one.ops_per_second:.0f} | {_ratio(one.ratio_to_raw)} | "
-                f"{many.ops_per_second:.0f} | {_ratio(many.ratio_to_raw)} |"
+                f"| `{kind}` | {one.ops_per_second:.0f} | {ratio_text(one.ratio_to_raw)} | "
+                f"{many.ops_per_second:.0f} | {ratio_text(many.ratio_to_raw)} |"
                 if one is not None and many is not None
                 else f"| `{kind}` | | | | |"
             )

@@ -72,6 +72,7 @@ from benchmarks.django_cases import django_cases, pals_cases
 from benchmarks.measure import Case, Stopwatch
 from benchmarks.postgres import URL_VARIABLE, database_url, server_version
 from benchmarks.raw_drivers import asyncpg_cases, psycopg_cases
+from benchmarks.report import ratio_text
 from benchmarks.uncontended import library_cases, raw_cases
 
 __all__ = ["InstructionResult", "main"]
@@ -426,10 +427,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
 def _write_table(
     results: list[InstructionResult],
     environment: dict[str, str],
@@ -448,7 +445,8 @@ def _write_table(
         pairs = " / ".join(name for name in (result.twin, result.bind_floor) if name)
         line = (
             f"{result.name:38} {result.instructions_per_op / 1000:9.1f} "
-            f"{_ratio(result.ratio_to_twin):>7} {_ratio(result.ratio_to_bind_floor):>7}  {pairs}"
+            f"{ratio_text(result.ratio_to_twin):>7} "
+            f"{ratio_text(result.ratio_to_bind_floor):>7}  {pairs}"
         )
         print(line.rstrip(), file=stream)
     for note in notes:

@@ -23,6 +23,7 @@ __all__ = [
     "Report",
     "UncontendedResult",
     "handoff_results",
+    "ratio_text",
     "uncontended_results",
     "write_json",
     "write_table",
@@ -169,7 +170,8 @@ def handoff_results(
     return results
 
 
-def _ratio(value: float | None) -> str:
+def ratio_text(value: float | None) -> str:
+    """A ratio as the tables print it (``-`` where there is none)."""
     return "-" if value is None else f"{value:.2f}x"
 
 
@@ -202,10 +204,11 @@ def write_table(report: Report, stream: TextIO) -> None:
             pairs = " / ".join(name for name in (row.twin, row.bind_floor) if name)
             print(
                 f"{row.name:38} {row.median_us:10.1f} {row.p90_us:9.1f} "
-                f"{_ratio(row.ratio_to_floor):>8} {_ratio(row.ratio_to_twin):>7} "
-                f"{_ratio(row.ratio_to_bind_floor):>7} "
-                f"{row.cpu_median_us:7.1f} {_ratio(row.cpu_ratio_to_floor):>8} "
-                f"{_ratio(row.cpu_ratio_to_twin):>8} {_ratio(row.cpu_ratio_to_bind_floor):>8} "
+                f"{ratio_text(row.ratio_to_floor):>8} {ratio_text(row.ratio_to_twin):>7} "
+                f"{ratio_text(row.ratio_to_bind_floor):>7} "
+                f"{row.cpu_median_us:7.1f} {ratio_text(row.cpu_ratio_to_floor):>8} "
+                f"{ratio_text(row.cpu_ratio_to_twin):>8} "
+                f"{ratio_text(row.cpu_ratio_to_bind_floor):>8} "
                 f"{_trips(row.round_trips):>6}  {pairs}",
                 file=stream,
             )
@@ -220,7 +223,8 @@ def write_table(report: Report, stream: TextIO) -> None:
         for result in report.handoff:
             print(
                 f"{result.name:32} {result.trials:6d} {result.p50_ms:9.3f} "
-                f"{result.p90_ms:9.3f} {result.p99_ms:9.3f} {_ratio(result.ratio_p50_to_raw):>10}",
+                f"{result.p90_ms:9.3f} {result.p99_ms:9.3f} "
+                f"{ratio_text(result.ratio_p50_to_raw):>10}",
                 file=stream,
             )
     if report.throughput:
@@ -242,7 +246,7 @@ def _write_throughput(report: Report, stream: TextIO) -> None:
         rounds = " ".join(f"{value:.0f}" for value in row.rounds[:6])
         rounds += " ..." if len(row.rounds) > 6 else ""
         print(
-            f"{row.name:40} {row.ops_per_second:9.0f} {_ratio(row.ratio_to_raw):>7}  {rounds}",
+            f"{row.name:40} {row.ops_per_second:9.0f} {ratio_text(row.ratio_to_raw):>7}  {rounds}",
             file=stream,
         )
 
