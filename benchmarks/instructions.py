@@ -69,7 +69,7 @@ import sqlalchemy
 from sqlalchemy.engine import URL
 
 from benchmarks.django_cases import django_cases, pals_cases
-from benchmarks.measure import Case, Stopwatch
+from benchmarks.measure import Case, Stopwatch, with_references
 from benchmarks.postgres import URL_VARIABLE, database_url, server_version
 from benchmarks.raw_drivers import asyncpg_cases, psycopg_cases
 from benchmarks.report import ratio_text
@@ -244,9 +244,7 @@ def _select(catalogue: list[CaseInfo], patterns: list[str]) -> list[CaseInfo]:
             for pattern in patterns
         )
     }
-    # A case's bind floor, then the twin of each (a bind floor has one too).
-    chosen |= {case.bind_floor for case in catalogue if case.name in chosen and case.bind_floor}
-    chosen |= {case.twin for case in catalogue if case.name in chosen and case.twin}
+    chosen = with_references(catalogue, chosen)
     return [case for case in catalogue if case.name in chosen]
 
 

@@ -8,12 +8,20 @@ ratio taken within one round cancels most of what is left.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter_ns, thread_time_ns
 from typing import Protocol
 
-__all__ = ["Case", "CaseSamples", "Stopwatch", "Timer", "interleave", "percentile"]
+__all__ = [
+    "Case",
+    "CaseSamples",
+    "Stopwatch",
+    "Timer",
+    "interleave",
+    "percentile",
+    "with_references",
+]
 
 
 class Stopwatch(Protocol):
@@ -165,3 +173,22 @@ def percentile(samples: Sequence[float], fraction: float) -> float:
     lower = int(position)
     upper = min(lower + 1, len(ordered) - 1)
     return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
+
+
+class _Referring(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def twin(self) -> str | None: ...
+
+    @property
+    def bind_floor(self) -> str | None: ...
+
+
+def with_references(cases: Iterable[_Referring], chosen: set[str]) -> set[str]:
+    """``chosen`` and the cases its ratios need: each chosen case's bind floor, then the
+    raw twin of each (a bind floor has one too)."""
+    cases = list(cases)
+    chosen = chosen | {case.bind_floor for case in cases if case.name in chosen and case.bind_floor}
+    return chosen | {case.twin for case in cases if case.name in chosen and case.twin}

@@ -23,7 +23,7 @@ from benchmarks.django_cases import django_cases, pals_cases
 from benchmarks.docs_page import DOCS_PAGE, write_docs_page
 from benchmarks.handoff import HANDOFF_VARIANTS, run_handoffs
 from benchmarks.handoff import descriptions as handoff_descriptions
-from benchmarks.measure import Case, interleave
+from benchmarks.measure import Case, interleave, with_references
 from benchmarks.pinning import Pinning, server_sockets
 from benchmarks.postgres import URL_VARIABLE, database_url, server_version
 from benchmarks.raw_drivers import raw_driver_cases
@@ -267,11 +267,8 @@ def _select_cases(cases: list[Case], patterns: list[str] | None) -> list[Case]:
     chosen = {case.name for case in cases if _runs(patterns, "uncontended", case.name)}
     if not chosen:
         return []
-    # Ratios need the floor, each chosen case's bind floor, and the raw twin of each
-    # (a bind floor's too).
-    chosen |= {FLOOR, "raw.select1"}
-    chosen |= {case.bind_floor for case in cases if case.name in chosen and case.bind_floor}
-    chosen |= {case.twin for case in cases if case.name in chosen and case.twin}
+    # Ratios need the floor, and each chosen case's bind floor and raw twin.
+    chosen = with_references(cases, chosen | {FLOOR, "raw.select1"})
     return [case for case in cases if case.name in chosen]
 
 
