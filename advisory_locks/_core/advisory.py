@@ -36,6 +36,7 @@ from advisory_locks._core.contract import (
 from advisory_locks._core.events import EventSource, LockEvent
 from advisory_locks._core.steps import (
     Settle,
+    Statement,
     Steps,
     aperform,
     arun_steps,
@@ -55,7 +56,7 @@ from advisory_locks.errors import (
 from advisory_locks.keys import LockKey, LockName
 
 if TYPE_CHECKING:
-    from advisory_locks._dialects.base import Backend
+    from advisory_locks._dialects.base import Backend, StatementSteps
 
 __all__ = [
     "AdvisoryLock",
@@ -210,18 +211,19 @@ class AdvisoryLock(LockContract):
                 self.key_info, shared=options.shared, transaction=options.transaction
             )
             if holding is None:
+                executor = borrowed.executor
+                statement = self._lock_statement(borrowed)
                 try:
-                    granted = perform(
-                        borrowed.executor,
-                        site.backend.acquire(
-                            state.driver_state,
-                            self.key_info,
-                            shared=options.shared,
-                            transaction=options.transaction,
-                            timeout=options.timeout,
-                            in_transaction=borrowed.in_transaction,
-                        ),
-                    )
+                    if statement is None:
+                        granted = perform(executor, self._acquire_steps(borrowed))
+                    else:
+                        # The usual case: one statement, sent without the steps.
+                        try:
+                            answer = executor.execute(statement)
+                        except BaseException as error:
+                            granted = perform(executor, self._acquire_steps(borrowed), error)
+                        else:
+                            granted = options.timeout != 0 or bool(answer)
                 except BaseException as error:
                     run_steps(self._acquire_failed(started, borrowed, error), site)
                 if not granted:
@@ -249,11 +251,16 @@ class AdvisoryLock(LockContract):
         if holding.count > 0 or holding.transaction or state.inherited or not holding.active:
             run_steps(self._release_without_unlock(holding, borrowed), site)
             return
+        executor = borrowed.executor
+        statement = site.backend.unlock_statement(self.key_info, shared=self.options.shared)
         try:
-            released = perform(
-                borrowed.executor,
-                site.backend.release(state.driver_state, self.key_info, shared=self.options.shared),
-            )
+            if statement is None:
+                released = perform(executor, self._release_steps(state))
+            else:
+                try:
+                    released = bool(executor.execute(statement))
+                except BaseException as error:
+                    released = perform(executor, self._release_steps(state), error)
         except BaseException as error:
             run_steps(self._release_failed(holding, borrowed, error), site)
             return
@@ -301,18 +308,18 @@ class AdvisoryLock(LockContract):
                 self.key_info, shared=options.shared, transaction=options.transaction
             )
             if holding is None:
+                executor = borrowed.executor
+                statement = self._lock_statement(borrowed)
                 try:
-                    granted = await aperform(
-                        borrowed.executor,
-                        site.backend.acquire(
-                            state.driver_state,
-                            self.key_info,
-                            shared=options.shared,
-                            transaction=options.transaction,
-                            timeout=options.timeout,
-                            in_transaction=borrowed.in_transaction,
-                        ),
-                    )
+                    if statement is None:
+                        granted = await aperform(executor, self._acquire_steps(borrowed))
+                    else:
+                        try:
+                            answer = await executor.execute(statement)
+                        except BaseException as error:
+                            granted = await aperform(executor, self._acquire_steps(borrowed), error)
+                        else:
+                            granted = options.timeout != 0 or bool(answer)
                 except BaseException as error:
                     await arun_steps(self._acquire_failed(started, borrowed, error), site)
                 if not granted:
@@ -363,6 +370,34 @@ class AdvisoryLock(LockContract):
             return True
         self._count = 0
         return False
+
+    def _lock_statement(self, borrowed: Borrowed) -> Statement | None:
+        """The one statement that takes the lock, where the backend needs no more."""
+        options = self.options
+        return self._site.backend.lock_statement(  # type: ignore[no-any-return]
+            self.key_info,
+            shared=options.shared,
+            transaction=options.transaction,
+            timeout=options.timeout,
+            in_transaction=borrowed.in_transaction,
+        )
+
+    def _acquire_steps(self, borrowed: Borrowed) -> StatementSteps[bool]:
+        """The backend's whole acquire: where ``_lock_statement`` is None, or raised."""
+        options = self.options
+        return self._site.backend.acquire(  # type: ignore[no-any-return]
+            borrowed.state.driver_state,
+            self.key_info,
+            shared=options.shared,
+            transaction=options.transaction,
+            timeout=options.timeout,
+            in_transaction=borrowed.in_transaction,
+        )
+
+    def _release_steps(self, state: ConnectionState) -> StatementSteps[bool]:
+        return self._site.backend.release(  # type: ignore[no-any-return]
+            state.driver_state, self.key_info, shared=self.options.shared
+        )
 
     def _borrow_failed(self, started: float | None, error: BaseException) -> NoReturn:
         """The binding could not lend a connection: report it, and raise what it means."""
@@ -490,11 +525,16 @@ class AdvisoryLock(LockContract):
         if holding.count > 0 or holding.transaction or state.inherited or not holding.active:
             await arun_steps(self._release_without_unlock(holding, borrowed), site)
             return
+        executor = borrowed.executor
+        statement = site.backend.unlock_statement(self.key_info, shared=self.options.shared)
         try:
-            released = await aperform(
-                borrowed.executor,
-                site.backend.release(state.driver_state, self.key_info, shared=self.options.shared),
-            )
+            if statement is None:
+                released = await aperform(executor, self._release_steps(state))
+            else:
+                try:
+                    released = bool(await executor.execute(statement))
+                except BaseException as error:
+                    released = await aperform(executor, self._release_steps(state), error)
         except BaseException as error:
             await arun_steps(self._release_failed(holding, borrowed, error), site)
             return

@@ -136,12 +136,22 @@ def on(executor: object, steps: Generator[Statement, Any, T]) -> On[T]:
     return On(executor, steps)
 
 
-def perform(executor: Any, statements: Generator[Statement, Any, T]) -> T:
+def perform(
+    executor: Any,
+    statements: Generator[Statement, Any, T],
+    first_failed: BaseException | None = None,
+) -> T:
     """Run a backend's statement steps on a blocking ``executor``, each statement answered
-    (or its error thrown back) in turn; return their result."""
+    (or its error thrown back) in turn; return their result.
+
+    ``first_failed``: the caller already ran the steps' first statement itself (a lock's
+    ``lock_statement``), and it raised this error, which the steps get instead.
+    """
     execute = executor.execute
     answer: Any = None
-    failure: BaseException | None = None
+    failure = first_failed
+    if failure is not None:
+        statements.send(None)  # up to the first statement, already sent
     while True:
         try:
             statement = statements.send(answer) if failure is None else statements.throw(failure)
@@ -176,11 +186,17 @@ def run_steps(steps: Steps[T] | On[T], site: Site | None = None) -> T:
             error = raised
 
 
-async def aperform(executor: Any, statements: Generator[Statement, Any, T]) -> T:
+async def aperform(
+    executor: Any,
+    statements: Generator[Statement, Any, T],
+    first_failed: BaseException | None = None,
+) -> T:
     """``perform`` with an awaiting ``executor``."""
     execute = executor.execute
     answer: Any = None
-    failure: BaseException | None = None
+    failure = first_failed
+    if failure is not None:
+        statements.send(None)
     while True:
         try:
             statement = statements.send(answer) if failure is None else statements.throw(failure)

@@ -81,11 +81,33 @@ class Backend(Protocol):
         caller owns: then a failed wait must leave that transaction usable.
         """
 
+    def lock_statement(
+        self,
+        key: LockKey,
+        *,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> Statement | None:
+        """The one statement ``acquire`` would send, where it sends only that: with
+        ``timeout=0`` its value says whether the lock was granted, with any other timeout
+        its success is the grant. None where ``acquire`` may need more. A lock runs
+        this statement directly (no steps to drive); if it raises, the lock throws the
+        error into ``acquire``, whose first statement it must be.
+        """
+
     def lock_identity(self, key: LockKey) -> Hashable:
         """What the server locks on for ``key``: equal identities are one lock."""
 
     def release(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         """Give back a session lock; False when the server says it did not hold it."""
+
+    def unlock_statement(self, key: LockKey, *, shared: bool) -> Statement | None:
+        """The one statement ``release`` sends, where it sends only that and its value
+        says whether the server held the lock; None where ``release`` does more. If the
+        statement raises, the lock throws the error into ``release``.
+        """
 
     def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         """Whether the server holds ``key`` in this mode for the executor's session.

@@ -217,15 +217,30 @@ class MySQLBackend:
             )
         return bool(granted)
 
+    def lock_statement(
+        self,
+        key: LockKey,
+        *,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> Statement | None:
+        # GET_LOCK answers 0 for a wait that timed out, and NULL for an interrupted one.
+        return None
+
     def lock_identity(self, key: LockKey) -> Hashable:
         # GET_LOCK locks names, not keys: two names whose keys collide (easy with the
         # rails scheme's CRC32) are two different locks here.
         return server_lock_name(key)
 
     def release(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
-        # 0: another session holds it; NULL: nobody does. Either way it was not ours.
-        released = yield Statement(VALUE, "SELECT RELEASE_LOCK(%s)", (server_lock_name(key),))
+        released = yield self.unlock_statement(key, shared=shared)
         return bool(released)
+
+    def unlock_statement(self, key: LockKey, *, shared: bool) -> Statement:
+        # 0: another session holds it; NULL: nobody does. Either way it was not ours.
+        return Statement(VALUE, "SELECT RELEASE_LOCK(%s)", (server_lock_name(key),))
 
     def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         held = yield Statement(

@@ -122,36 +122,18 @@ class PostgresBackend:
         timeout: Timeout,
         in_transaction: bool,
     ) -> StatementSteps[bool]:
-        function = _LOCK_FUNCTIONS[shared, transaction]
         if timeout == 0:
             # The try_ variants never wait and never raise for a busy lock, so there is
             # nothing to protect the caller's transaction from.
-            granted = yield Statement(
-                VALUE, _statement_for("SELECT pg_try_{}({})", function, len(key.ints)), key.ints
-            )
+            granted = yield self._lock_statement(key, shared, transaction, timeout)
             return bool(granted)
         try:
             if in_transaction:
+                function = _LOCK_FUNCTIONS[shared, transaction]
                 call = f"SELECT pg_{function}({_literals(key)})"
                 yield Statement(SCRIPT, _acquire_in_transaction_script(call, timeout))
-            elif timeout is None:
-                yield Statement(
-                    VALUE, _statement_for("SELECT pg_{}({})", function, len(key.ints)), key.ints
-                )
             else:
-                # Outside a transaction block one statement is one implicit transaction,
-                # and set_config(..., true) is local to it: the caller's lock_timeout is
-                # back in force as soon as the lock is granted (a session lock outlives
-                # the implicit transaction). The set_config sits in a FROM subquery so it
-                # runs before the wait starts: a subquery with a volatile output is never
-                # flattened into its parent, and the parent's row needs the subquery's.
-                # One parameterised statement, so drivers that prepare statements (psycopg
-                # 3 after a few uses) reuse its plan, as they do the unlock's.
-                yield Statement(
-                    VALUE,
-                    _statement_for(TIMEOUT_LOCK_SQL, function, len(key.ints)),
-                    (*key.ints, _timeout_text(timeout)),
-                )
+                yield self._lock_statement(key, shared, transaction, timeout)
         except Exception as error:
             if in_transaction and not self.is_connection_failure(error):
                 # The failed wait aborted the caller's transaction; rolling back to our
@@ -164,15 +146,58 @@ class PostgresBackend:
             return _granted_or_raise(error, key)
         return True
 
+    def lock_statement(
+        self,
+        key: LockKey,
+        *,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> Statement | None:
+        if in_transaction and timeout != 0:
+            return None  # a savepoint around the wait: a script, and its own rollback
+        return self._lock_statement(key, shared, transaction, timeout)
+
+    @staticmethod
+    def _lock_statement(
+        key: LockKey, shared: bool, transaction: bool, timeout: Timeout
+    ) -> Statement:
+        """The statement that takes the lock outside a transaction block."""
+        function = _LOCK_FUNCTIONS[shared, transaction]
+        arity = len(key.ints)
+        if timeout == 0:
+            return Statement(
+                VALUE, _statement_for("SELECT pg_try_{}({})", function, arity), key.ints
+            )
+        if timeout is None:
+            return Statement(VALUE, _statement_for("SELECT pg_{}({})", function, arity), key.ints)
+        # Outside a transaction block one statement is one implicit transaction, and
+        # set_config(..., true) is local to it: the caller's lock_timeout is back in force
+        # as soon as the lock is granted (a session lock outlives the implicit
+        # transaction). The set_config sits in a FROM subquery so it runs before the wait
+        # starts: a subquery with a volatile output is never flattened into its parent,
+        # and the parent's row needs the subquery's. One parameterised statement, so
+        # drivers that prepare statements (psycopg 3 after a few uses) reuse its plan, as
+        # they do the unlock's.
+        return Statement(
+            VALUE,
+            _statement_for(TIMEOUT_LOCK_SQL, function, arity),
+            (*key.ints, _timeout_text(timeout)),
+        )
+
     def lock_identity(self, key: LockKey) -> Hashable:
         return key.ints
 
     def release(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
+        released = yield self.unlock_statement(key, shared=shared)
+        return bool(released)
+
+    def unlock_statement(self, key: LockKey, *, shared: bool) -> Statement:
         function = "advisory_unlock_shared" if shared else "advisory_unlock"
-        released = yield Statement(
+        return Statement(
             VALUE, _statement_for("SELECT pg_{}({})", function, len(key.ints)), key.ints
         )
-        return bool(released)
 
     def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         # The mode is one of two constants, never caller text.

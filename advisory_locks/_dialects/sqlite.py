@@ -113,6 +113,18 @@ class SQLiteBackend:
         files[(key.ints, shared)] = handle
         return True
 
+    def lock_statement(
+        self,
+        key: LockKey,
+        *,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> Statement | None:
+        # The lock is a file this process locks; the statement only checks the connection.
+        return None
+
     def lock_identity(self, key: LockKey) -> Hashable:
         return key.ints  # the lock file is named after the key
 
@@ -129,6 +141,9 @@ class SQLiteBackend:
         # statement tells a closed connection (is_connection_failure: LockLost) apart.
         yield Statement(VALUE, "SELECT 1")
         return True
+
+    def unlock_statement(self, key: LockKey, *, shared: bool) -> Statement | None:
+        return None  # the file is unlocked here, before the statement
 
     def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         if (key.ints, shared) not in _open_files(state):
