@@ -36,7 +36,6 @@ from advisory_locks._core.contract import (
 from advisory_locks._core.events import EventSource, LockEvent
 from advisory_locks._core.steps import (
     Settle,
-    Statement,
     Steps,
     aperform,
     arun_steps,
@@ -212,7 +211,13 @@ class AdvisoryLock(LockContract):
             )
             if holding is None:
                 executor = borrowed.executor
-                statement = self._lock_statement(borrowed)
+                statement = site.backend.lock_statement(
+                    self.key_info,
+                    shared=options.shared,
+                    transaction=options.transaction,
+                    timeout=options.timeout,
+                    in_transaction=borrowed.in_transaction,
+                )
                 try:
                     if statement is None:
                         granted = perform(executor, self._acquire_steps(borrowed))
@@ -309,7 +314,13 @@ class AdvisoryLock(LockContract):
             )
             if holding is None:
                 executor = borrowed.executor
-                statement = self._lock_statement(borrowed)
+                statement = site.backend.lock_statement(
+                    self.key_info,
+                    shared=options.shared,
+                    transaction=options.transaction,
+                    timeout=options.timeout,
+                    in_transaction=borrowed.in_transaction,
+                )
                 try:
                     if statement is None:
                         granted = await aperform(executor, self._acquire_steps(borrowed))
@@ -371,19 +382,8 @@ class AdvisoryLock(LockContract):
         self._count = 0
         return False
 
-    def _lock_statement(self, borrowed: Borrowed) -> Statement | None:
-        """The one statement that takes the lock, where the backend needs no more."""
-        options = self.options
-        return self._site.backend.lock_statement(  # type: ignore[no-any-return]
-            self.key_info,
-            shared=options.shared,
-            transaction=options.transaction,
-            timeout=options.timeout,
-            in_transaction=borrowed.in_transaction,
-        )
-
     def _acquire_steps(self, borrowed: Borrowed) -> StatementSteps[bool]:
-        """The backend's whole acquire: where ``_lock_statement`` is None, or raised."""
+        """The backend's whole acquire: where it has no ``lock_statement``, or that raised."""
         options = self.options
         return self._site.backend.acquire(  # type: ignore[no-any-return]
             borrowed.state.driver_state,

@@ -122,18 +122,27 @@ class PostgresBackend:
         timeout: Timeout,
         in_transaction: bool,
     ) -> StatementSteps[bool]:
+        # The statement outside a transaction block, and for the try_ variants anywhere.
+        statement = self.lock_statement(
+            key,
+            shared=shared,
+            transaction=transaction,
+            timeout=timeout,
+            in_transaction=in_transaction,
+        )
         if timeout == 0:
             # The try_ variants never wait and never raise for a busy lock, so there is
             # nothing to protect the caller's transaction from.
-            granted = yield self._lock_statement(key, shared, transaction, timeout)
+            assert statement is not None
+            granted = yield statement
             return bool(granted)
         try:
-            if in_transaction:
+            if statement is None:
                 function = _LOCK_FUNCTIONS[shared, transaction]
                 call = f"SELECT pg_{function}({_literals(key)})"
                 yield Statement(SCRIPT, _acquire_in_transaction_script(call, timeout))
             else:
-                yield self._lock_statement(key, shared, transaction, timeout)
+                yield statement
         except Exception as error:
             if in_transaction and not self.is_connection_failure(error):
                 # The failed wait aborted the caller's transaction; rolling back to our
@@ -155,21 +164,14 @@ class PostgresBackend:
         timeout: Timeout,
         in_transaction: bool,
     ) -> Statement | None:
-        if in_transaction and timeout != 0:
-            return None  # a savepoint around the wait: a script, and its own rollback
-        return self._lock_statement(key, shared, transaction, timeout)
-
-    @staticmethod
-    def _lock_statement(
-        key: LockKey, shared: bool, transaction: bool, timeout: Timeout
-    ) -> Statement:
-        """The statement that takes the lock outside a transaction block."""
         function = _LOCK_FUNCTIONS[shared, transaction]
         arity = len(key.ints)
         if timeout == 0:
             return Statement(
                 VALUE, _statement_for("SELECT pg_try_{}({})", function, arity), key.ints
             )
+        if in_transaction:
+            return None  # a savepoint around the wait: a script, and its own rollback
         if timeout is None:
             return Statement(VALUE, _statement_for("SELECT pg_{}({})", function, arity), key.ints)
         # Outside a transaction block one statement is one implicit transaction, and
