@@ -125,6 +125,8 @@ LOCK_CHECKOUTS_INFO_KEY: Final = "advisory_locks.lock_checkouts"
 SINGLE_CONNECTION_POOLS: Final = (StaticPool, SingletonThreadPool, AssertionPool)
 # (process id, weak reference to the pool entry), recorded when the DB-API connection opens.
 CONNECTED_INFO_KEY: Final = "advisory_locks.connected"
+# (DB-API connection, driver connection): see _driver().
+DRIVER_INFO_KEY: Final = "advisory_locks.driver_connection"
 # Execution option declaring what sits between the engine and the server:
 # "transaction" (session locks refused), "session" (a pooler that pins each client to
 # one server connection), or "none".
@@ -318,6 +320,19 @@ def _lock_checkouts(info: dict[Any, Any]) -> weakref.WeakSet[Any]:
     return checkouts
 
 
+def _driver(fairy: PoolProxiedConnection) -> Any:
+    """``fairy.driver_connection`` (three calls into the pool and the dialect), kept in
+    the connection's ``info`` with the DB-API connection it belongs to."""
+    dbapi = fairy.dbapi_connection
+    info = fairy.info
+    cached = info.get(DRIVER_INFO_KEY)
+    if cached is not None and cached[0] is dbapi:
+        return cached[1]
+    driver = fairy.driver_connection
+    info[DRIVER_INFO_KEY] = (dbapi, driver)
+    return driver
+
+
 def _inside_transaction(fairy: PoolProxiedConnection, *connections: Connection | None) -> bool:
     """Whether a statement sent now on this connection runs inside an open transaction,
     which a lock must join rather than end: one SQLAlchemy began on it, or one the driver
@@ -326,7 +341,7 @@ def _inside_transaction(fairy: PoolProxiedConnection, *connections: Connection |
         if connection is not None and connection.in_transaction():
             # SQLAlchemy keeps "transactions" on AUTOCOMMIT connections too; none is open.
             return not driver_autocommit(fairy.dbapi_connection)
-    return driver_in_transaction(fairy.driver_connection) is True
+    return driver_in_transaction(_driver(fairy)) is True
 
 
 def connection_state(
@@ -484,7 +499,7 @@ class ConnectionBorrow(_SettledAtOnce):
         info = fairy.info
         self.fairy = fairy
         self.connection = connection
-        self.driver = fairy.driver_connection
+        self.driver = _driver(fairy)
         self.state = state = connection_state(info, backend, fairy)
         if state.inherited:
             # A forked child's copy of its parent's connection: nothing may be sent on
@@ -525,7 +540,7 @@ class ConnectionBorrow(_SettledAtOnce):
                 persist=not isinstance(connection.engine.pool, SINGLE_CONNECTION_POOLS),
             )
         pooler = _declared_pooler(connection.get_execution_options())
-        _check_server_once(state, self.executor, self.driver, pooler, session_lock=not transaction)
+        _check_server_once(state, self.executor, fairy, pooler, session_lock=not transaction)
         self.in_transaction = transaction or self._inside_transaction()
         if state.pending_release and not connection.in_transaction():
             # A failed transaction postponed these unlocks and has ended since.
@@ -625,7 +640,7 @@ class _AutocommitExecutor:
 def _check_server_once(
     state: ConnectionState,
     executor: Any,
-    driver_connection: Any,
+    fairy: PoolProxiedConnection,
     pooler: object,
     *,
     session_lock: bool,
@@ -637,7 +652,7 @@ def _check_server_once(
             check_server(
                 state,
                 executor,
-                driver_connection,
+                _driver(fairy),
                 pooler=pooler,
                 session_lock=session_lock,
                 declare_pooler=DECLARE_POOLER,
@@ -677,7 +692,7 @@ class PooledBorrow(_SettledAtOnce):
         self._out = True
         self._users = 0
         info = fairy.info
-        driver = fairy.driver_connection
+        driver = _driver(fairy)
         self.state = connection_state(info, backend, fairy)
         self.shared = (
             isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
@@ -700,7 +715,7 @@ class PooledBorrow(_SettledAtOnce):
                     info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
                 self.executor = executor_for(fairy, info)
             pooler = _declared_pooler(engine.get_execution_options())
-            _check_server_once(self.state, self.executor, driver, pooler, session_lock=True)
+            _check_server_once(self.state, self.executor, fairy, pooler, session_lock=True)
         except BaseException as error:
             if isinstance(error, Exception) and (
                 backend.is_connection_failure(error) or self.is_disconnect(error)
@@ -904,7 +919,7 @@ class SessionPin:
         # As for PooledBorrow: a connection handed out inside a transaction is someone
         # else's too.
         self.shared = isinstance(engine.pool, SINGLE_CONNECTION_POOLS) or (
-            joined is None and driver_in_transaction(self.fairy.driver_connection) is True
+            joined is None and driver_in_transaction(_driver(self.fairy)) is True
         )
         session.info[PIN_INFO_KEY] = self
         if self.shared:
@@ -1049,9 +1064,7 @@ class PinnedBorrow(_SettledAtOnce):
             return  # a forked child's copy: nothing may be sent (the lock refuses it)
         try:
             pooler = _declared_pooler(pin.connection.get_execution_options())
-            _check_server_once(
-                self.state, self.executor, fairy.driver_connection, pooler, session_lock=True
-            )
+            _check_server_once(self.state, self.executor, fairy, pooler, session_lock=True)
         except Exception as error:
             if not (pin.backend.is_connection_failure(error) or self.is_disconnect(error)):
                 raise
