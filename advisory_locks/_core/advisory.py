@@ -262,10 +262,7 @@ class AdvisoryLock(LockContract):
             if statement is None:
                 released = perform(executor, self._release_steps(state))
             else:
-                try:
-                    released = bool(executor.execute(statement))
-                except BaseException as error:
-                    released = perform(executor, self._release_steps(state), error)
+                released = bool(executor.execute(statement))
         except BaseException as error:
             run_steps(self._release_failed(holding, borrowed, error), site)
             return
@@ -531,10 +528,7 @@ class AdvisoryLock(LockContract):
             if statement is None:
                 released = await aperform(executor, self._release_steps(state))
             else:
-                try:
-                    released = bool(await executor.execute(statement))
-                except BaseException as error:
-                    released = await aperform(executor, self._release_steps(state), error)
+                released = bool(await executor.execute(statement))
         except BaseException as error:
             await arun_steps(self._release_failed(holding, borrowed, error), site)
             return

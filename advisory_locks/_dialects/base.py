@@ -104,9 +104,9 @@ class Backend(Protocol):
         """Give back a session lock; False when the server says it did not hold it."""
 
     def unlock_statement(self, key: LockKey, *, shared: bool) -> Statement | None:
-        """The one statement ``release`` sends, where it sends only that and its value
-        says whether the server held the lock; None where ``release`` does more. If the
-        statement raises, the lock throws the error into ``release``.
+        """The one statement ``release`` sends, where it sends only that, its value says
+        whether the server held the lock, and ``release`` leaves its errors alone; None
+        where ``release`` does more. A lock runs this statement directly.
         """
 
     def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
