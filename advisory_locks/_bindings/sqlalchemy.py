@@ -127,6 +127,8 @@ SINGLE_CONNECTION_POOLS: Final = (StaticPool, SingletonThreadPool, AssertionPool
 CONNECTED_INFO_KEY: Final = "advisory_locks.connected"
 # (DB-API connection, driver connection): see _driver().
 DRIVER_INFO_KEY: Final = "advisory_locks.driver_connection"
+# The _ConnectionParts of the Connection that last locked on this DB-API connection.
+PARTS_INFO_KEY: Final = "advisory_locks.connection_parts"
 # Execution option declaring what sits between the engine and the server:
 # "transaction" (session locks refused), "session" (a pooler that pins each client to
 # one server connection), or "none".
@@ -488,25 +490,70 @@ class _SettledAtOnce:
         pass
 
 
+class _ConnectionParts:
+    """What every lock's borrow of one Connection shares while the Connection keeps one
+    DB-API connection: made at its first lock and kept in the pooled connection's ``info``
+    (so a replaced DB-API connection, whose ``info`` SQLAlchemy empties, never finds it),
+    so that each later lock reads the state, the executor and the driver connection with
+    one lookup instead of building them again.
+
+    It refers to nothing the pool's entry must not keep alive: the Connection weakly,
+    and never the pool's checkout (a Connection dropped unclosed goes back to the pool
+    when its checkout is collected). Nor does a borrow's executor refer to its borrow,
+    so a lock leaves no reference cycle behind for the garbage collector.
+    """
+
+    __slots__ = ("backend", "connection", "dbapi", "driver", "executor", "persist", "state")
+
+    def __init__(
+        self, connection: Connection, fairy: PoolProxiedConnection, backend: Backend
+    ) -> None:
+        info = fairy.info
+        self.connection = weakref.ref(connection)
+        self.dbapi = fairy.dbapi_connection
+        self.backend = backend
+        self.driver = _driver(fairy)
+        self.state = state = connection_state(info, backend, fairy)
+        # A forked child's copy of its parent's connection gets no executor: nothing may
+        # be sent on it.
+        self.executor: Any = None if state.inherited else executor_for(fairy, info)
+        # On a single-connection pool others may use the driver connection without
+        # SQLAlchemy: a lock puts the autocommit mode back after each statement there.
+        self.persist = not isinstance(connection.engine.pool, SINGLE_CONNECTION_POOLS)
+        info[PARTS_INFO_KEY] = self
+
+    def inside_transaction(self) -> bool:
+        # _inside_transaction(fairy, connection), asked before each statement, without
+        # going through the pool's proxies for the driver connection.
+        connection = self.connection()
+        if connection is not None and connection.in_transaction():
+            return not driver_autocommit(self.dbapi)
+        return driver_in_transaction(self.driver) is True
+
+
 class ConnectionBorrow(_SettledAtOnce):
     """A caller's Connection: never closed or returned by the lock."""
 
-    __slots__ = ("connection", "driver", "executor", "fairy", "in_transaction", "state")
+    __slots__ = ("connection", "executor", "fairy", "in_transaction", "state")
 
     def __init__(self, connection: Connection, backend: Backend, *, transaction: bool) -> None:
-        fairy = connection.connection
-        dbapi = fairy.dbapi_connection
-        info = fairy.info
-        self.fairy = fairy
         self.connection = connection
-        self.driver = _driver(fairy)
-        self.state = state = connection_state(info, backend, fairy)
+        self.fairy = fairy = connection.connection
+        parts = fairy.info.get(PARTS_INFO_KEY)
+        if (
+            parts is None
+            or parts.connection() is not connection
+            or parts.dbapi is not fairy.dbapi_connection
+            or parts.backend is not backend
+        ):
+            parts = _ConnectionParts(connection, fairy, backend)
+        self.state = state = parts.state
         if state.inherited:
             # A forked child's copy of its parent's connection: nothing may be sent on
             # it (the lock refuses it, naming itself).
             self.in_transaction = False
             return
-        if AUTOCOMMIT_INFO_KEY not in info and driver_autocommit(dbapi):
+        if AUTOCOMMIT_INFO_KEY not in fairy.info and driver_autocommit(parts.dbapi):
             # In autocommit as the application configured it (not as an earlier lock
             # left it: that mode goes when a transaction begins, so it needs the
             # executor that switches).
@@ -515,43 +562,33 @@ class ConnectionBorrow(_SettledAtOnce):
                     "transaction=True needs a transaction, but this connection is in "
                     "AUTOCOMMIT mode, where every statement is its own transaction"
                 )
-            self.executor: Any = executor_for(fairy, info)
+            self.executor: Any = parts.executor
         elif transaction:
             if not connection.in_transaction():
                 # Like any statement on a Connection, a transaction lock autobegins.
                 connection.begin()
-            self.executor = executor_for(fairy, info)
+            self.executor = parts.executor
         elif not backend.locks_on_server:
             # Nothing the lock does reaches the server as a transaction-opening
             # statement (SQLite's locks are files): leave the connection's mode alone.
-            self.executor = executor_for(fairy, info)
+            self.executor = parts.executor
         else:
             # A session lock must not open a transaction that SQLAlchemy does not know
             # about, on an idle connection or at a release after the caller's transaction
             # ended; it runs as autocommit whenever no transaction is open. The mode stays
             # switched until SQLAlchemy next begins a transaction on the connection or
             # takes it back (the "begin" and "checkin" hooks below put it back first), so
-            # that a lock and its release switch once, not around each statement; on a
-            # single-connection pool others may use the driver connection without
-            # SQLAlchemy, so there it is put back after each statement.
+            # that a lock and its release switch once, not around each statement (except
+            # on a single-connection pool: see _ConnectionParts.persist).
             self.executor = _AutocommitExecutor(
-                fairy,
-                self._inside_transaction,
-                persist=not isinstance(connection.engine.pool, SINGLE_CONNECTION_POOLS),
+                fairy, parts.inside_transaction, persist=parts.persist, executor=parts.executor
             )
         pooler = _declared_pooler(connection.get_execution_options())
         _check_server_once(state, self.executor, fairy, pooler, session_lock=not transaction)
-        self.in_transaction = transaction or self._inside_transaction()
+        self.in_transaction = transaction or parts.inside_transaction()
         if state.pending_release and not connection.in_transaction():
             # A failed transaction postponed these unlocks and has ended since.
             run_steps(finish_pending_releases(state, self.executor))
-
-    def _inside_transaction(self) -> bool:
-        # _inside_transaction(fairy, connection), asked before each statement: the
-        # driver connection is read once per borrow, not through the pool's proxies.
-        if self.connection.in_transaction():
-            return not driver_autocommit(self.fairy.dbapi_connection)
-        return driver_in_transaction(self.driver) is True
 
     def done(self) -> None:
         pass
@@ -598,12 +635,18 @@ class _AutocommitExecutor:
     __slots__ = ("_executor", "fairy", "inside", "persist")
 
     def __init__(
-        self, fairy: PoolProxiedConnection, inside: Callable[[], bool], *, persist: bool = False
+        self,
+        fairy: PoolProxiedConnection,
+        inside: Callable[[], bool],
+        *,
+        persist: bool = False,
+        executor: Any = None,
     ) -> None:
         self.fairy = fairy
         self.inside = inside
         self.persist = persist
-        self._executor = executor_for(fairy, fairy.info)
+        # The connection's executor_for(), where the caller has it at hand.
+        self._executor = executor_for(fairy, fairy.info) if executor is None else executor
 
     @property
     def state(self) -> dict[str, Any]:
