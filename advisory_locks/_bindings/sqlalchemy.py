@@ -159,6 +159,8 @@ class SQLAlchemyBinding:
     """Locks on SQLAlchemy binds, registered with the core dispatch."""
 
     def lock(self, bind: Any, key: LockKey, options: LockOptions) -> Any:
+        if type(bind) is Connection:  # the most common bind, without the dispatch below
+            return AdvisoryLock(ConnectionSite(bind), key, options)
         sync = sync_bind(bind)
         site = _site_for(sync, transaction=options.transaction, keys=(key,), shared=options.shared)
         lock = AdvisoryLock(site, key, options)
@@ -466,7 +468,7 @@ class ConnectionSite:
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
-        self.backend = _backend_for(connection.engine)
+        self.backend = backend_for_dialect(connection.engine.dialect.name)  # _backend_for()
 
     def borrow(self, *, transaction: bool) -> ConnectionBorrow:
         return _connection_borrow(self.connection, self.backend, transaction=transaction)
@@ -503,7 +505,17 @@ class _ConnectionParts:
     so a lock leaves no reference cycle behind for the garbage collector.
     """
 
-    __slots__ = ("backend", "connection", "dbapi", "driver", "executor", "persist", "state")
+    __slots__ = (
+        "backend",
+        "connection",
+        "dbapi",
+        "driver",
+        "executor",
+        "options",
+        "persist",
+        "pooler",
+        "state",
+    )
 
     def __init__(
         self, connection: Connection, fairy: PoolProxiedConnection, backend: Backend
@@ -520,7 +532,16 @@ class _ConnectionParts:
         # On a single-connection pool others may use the driver connection without
         # SQLAlchemy: a lock puts the autocommit mode back after each statement there.
         self.persist = not isinstance(connection.engine.pool, SINGLE_CONNECTION_POOLS)
+        # The pooler the Connection's execution options declare, and those options (a
+        # Connection's options are replaced, never changed, when it is given new ones).
+        self.options: object = None
+        self.pooler: object = None
         info[PARTS_INFO_KEY] = self
+
+    def declared_pooler(self, options: Any) -> object:
+        pooler = _declared_pooler(options)
+        self.options, self.pooler = options, pooler
+        return pooler
 
     def inside_transaction(self) -> bool:
         # _inside_transaction(fairy, connection), asked before each statement, without
@@ -583,7 +604,8 @@ class ConnectionBorrow(_SettledAtOnce):
             self.executor = _AutocommitExecutor(
                 fairy, parts.inside_transaction, persist=parts.persist, executor=parts.executor
             )
-        pooler = _declared_pooler(connection.get_execution_options())
+        options = connection.get_execution_options()
+        pooler = parts.pooler if options is parts.options else parts.declared_pooler(options)
         _check_server_once(state, self.executor, fairy, pooler, session_lock=not transaction)
         self.in_transaction = transaction or parts.inside_transaction()
         if state.pending_release and not connection.in_transaction():
