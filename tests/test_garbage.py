@@ -41,7 +41,8 @@ def _ours(garbage: list[Any]) -> list[str]:
 
 
 class _Collector:
-    """Counts the cyclic garbage made between ``start`` and ``stop``."""
+    """Names the library's objects in the cyclic garbage made between ``start`` and
+    ``stop`` (the collector runs only at those two points in between)."""
 
     def start(self) -> None:
         gc.collect()
