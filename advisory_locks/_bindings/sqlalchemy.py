@@ -468,7 +468,7 @@ class ConnectionSite:
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
-        self.backend = backend_for_dialect(connection.engine.dialect.name)  # _backend_for()
+        self.backend = _backend_for(connection.engine)
 
     def borrow(self, *, transaction: bool) -> ConnectionBorrow:
         return _connection_borrow(self.connection, self.backend, transaction=transaction)
