@@ -53,7 +53,7 @@ from advisory_locks._core.connection import (
     server_checked,
 )
 from advisory_locks._core.executors import DBAPIExecutor, detach_inherited_connection
-from advisory_locks._core.steps import Executor, Statement, on, run_steps
+from advisory_locks._core.steps import Executor, on, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
 from advisory_locks.errors import UnsupportedFeature
 from advisory_locks_django._compat import (
@@ -399,18 +399,30 @@ def held_keys(alias: str) -> list[LockKey]:
     ]
 
 
-class _DriverExecutor(DBAPIExecutor):
-    """The DB-API executor, with psycopg 3's own cursor class on a Django connection.
+class DjangoExecutor(DBAPIExecutor):
+    """Runs the backend's SQL on the wrapper's DB-API connection.
+
+    Not through Django's cursor: a release must reach the server even when Django
+    refuses queries (a broken ``atomic()`` block), and execute wrappers must not see or
+    alter lock statements. Driver errors are still turned into ``django.db`` errors, and
+    Django learns of them for its end-of-request health check.
 
     Django makes its psycopg 3 connections with ``cursor_factory`` set to a
     ``ClientCursor`` (unless ``OPTIONS["server_side_binding"]``), which renders every
     parameter into the statement text on the client. The lock statements are written for
     server-side binding (the SQLAlchemy and raw psycopg binds send them so), which costs
-    the client less per statement. Django's ``prepare_threshold=None`` still applies, so
-    they are not prepared (transaction poolers) unless the application's OPTIONS ask.
+    the client less per statement, so the executor's cursor is psycopg's own
+    ``Cursor``. Django's ``prepare_threshold=None`` still applies, so they are not
+    prepared (transaction poolers) unless the application's OPTIONS ask.
     """
 
-    __slots__ = ()
+    __slots__ = ("wrapper",)
+
+    def __init__(
+        self, wrapper: BaseDatabaseWrapper, dbapi_connection: Any, state: dict[str, Any]
+    ) -> None:
+        super().__init__(dbapi_connection, state)
+        self.wrapper = wrapper
 
     def new_cursor(self) -> Any:
         connection = self.connection
@@ -422,36 +434,10 @@ class _DriverExecutor(DBAPIExecutor):
             return psycopg.Cursor(connection, row_factory=tuple_row)
         return super().new_cursor()
 
-
-class DjangoExecutor:
-    """Runs the backend's SQL on the wrapper's DB-API connection.
-
-    Not through Django's cursor: a release must reach the server even when Django
-    refuses queries (a broken ``atomic()`` block), and execute wrappers must not see or
-    alter lock statements. Driver errors are still turned into ``django.db`` errors, and
-    Django learns of them for its end-of-request health check.
-    """
-
-    __slots__ = ("_executor", "wrapper")
-
-    def __init__(
-        self, wrapper: BaseDatabaseWrapper, dbapi_connection: Any, state: dict[str, Any]
-    ) -> None:
-        self.wrapper = wrapper
-        self._executor = _DriverExecutor(dbapi_connection, state)
-
-    @property
-    def state(self) -> dict[str, Any]:
-        return self._executor.state
-
-    def execute(self, statement: Statement) -> object:
-        try:
-            return self._executor.execute(statement)
-        except Exception:
-            # Raised again inside Django's wrapper, which turns it into its own error
-            # (it costs nothing until a statement fails).
-            with django_errors(self.wrapper):
-                raise
+    def failed(self) -> None:
+        # Raised again inside Django's wrapper, which turns it into its own error.
+        with django_errors(self.wrapper):
+            raise
 
 
 class DjangoSite:

@@ -92,29 +92,37 @@ class DBAPIExecutor:
 
     def execute(self, statement: Statement) -> object:
         with self._mutex:
-            cursor = self._cursor
-            if cursor is None or getattr(cursor, "closed", False) is True:
-                cursor = self._cursor = self.new_cursor()
-            kind = statement.kind
-            if kind == VALUE:
-                cursor.execute(statement.sql, tuple(statement.params))
-                row = cursor.fetchone()
-                return None if row is None else row[0]
-            if kind == SCRIPT:
-                # Without parameters psycopg 3 and psycopg2 use the simple query
-                # protocol, which accepts several statements in one round trip.
-                cursor.execute(statement.sql, **self._script_options)
-                return None
-            assert kind == ROWS
-            if statement.params:
-                cursor.execute(statement.sql, tuple(statement.params))
-            else:
-                # Without parameters no driver reads "%" in the text as a placeholder.
-                cursor.execute(statement.sql)
-            # A statement without a result (MySQL's UPDATE) gives no description.
-            if cursor.description is None:
-                return []
-            return [tuple(row) for row in cursor.fetchall()]
+            try:
+                cursor = self._cursor
+                if cursor is None or getattr(cursor, "closed", False) is True:
+                    cursor = self._cursor = self.new_cursor()
+                kind = statement.kind
+                if kind == VALUE:
+                    cursor.execute(statement.sql, tuple(statement.params))
+                    row = cursor.fetchone()
+                    return None if row is None else row[0]
+                if kind == SCRIPT:
+                    # Without parameters psycopg 3 and psycopg2 use the simple query
+                    # protocol, which accepts several statements in one round trip.
+                    cursor.execute(statement.sql, **self._script_options)
+                    return None
+                assert kind == ROWS
+                if statement.params:
+                    cursor.execute(statement.sql, tuple(statement.params))
+                else:
+                    # Without parameters no driver reads "%" in the text as a placeholder.
+                    cursor.execute(statement.sql)
+                # A statement without a result (MySQL's UPDATE) gives no description.
+                if cursor.description is None:
+                    return []
+                return [tuple(row) for row in cursor.fetchall()]
+            except Exception:
+                self.failed()
+                raise
+
+    def failed(self) -> None:
+        """Called inside the ``except`` block of a statement that raised, before the
+        error propagates: a binding may raise its framework's error in its place."""
 
 
 def protocol_session_id(driver_connection: Any) -> int | None:
