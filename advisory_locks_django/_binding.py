@@ -85,6 +85,7 @@ __all__ = [
     "own_connection",
     "request_finished",
     "request_started",
+    "site_for_alias",
 ]
 
 logger = logging.getLogger("advisory_locks_django")
@@ -120,9 +121,22 @@ def backend_for_alias(alias: str) -> Backend:
     return backend
 
 
+def site_for_alias(alias: str) -> DjangoSite:
+    """The lock site of a database alias (raises UnsupportedDatabase): one per alias,
+    shared by every thread, since a site keeps nothing of a thread's."""
+    site = _sites.get(alias)
+    if site is None:
+        site = _sites[alias] = DjangoSite(alias)
+    return site
+
+
+_sites: dict[str, DjangoSite] = {}
+
+
 def _databases_changed(*, setting: str, **kwargs: Any) -> None:
     if setting == "DATABASES":
         _backends.clear()
+        _sites.clear()
 
 
 setting_changed.connect(_databases_changed)
@@ -443,14 +457,12 @@ class DjangoExecutor(DBAPIExecutor):
 class DjangoSite:
     """Locks on one database alias, on the connection of the thread that takes them."""
 
-    __slots__ = ("alias", "backend", "last_borrow")
+    __slots__ = ("alias", "backend")
     binding = "django"
 
     def __init__(self, alias: str) -> None:
         self.alias = alias
         self.backend = backend_for_alias(alias)
-        # The borrow of the latest acquire, so the caller can find what it was granted.
-        self.last_borrow: DjangoBorrow | None = None
 
     @property
     def database(self) -> str:
@@ -504,7 +516,6 @@ class DjangoSite:
             )
         if registry.pending_release and not in_transaction:
             release_pending(registry, executor)
-        self.last_borrow = borrow
         return borrow
 
     def locks(self) -> DjangoConnectionLocks:

@@ -40,11 +40,11 @@ from advisory_locks_django import signals
 from advisory_locks_django._binding import (
     DjangoConnectionLocks,
     DjangoExecutor,
-    DjangoSite,
     connection_locks,
     open_other_connection,
     own_connection,
     release_pending,
+    site_for_alias,
 )
 from advisory_locks_django._compat import connection_usable
 from advisory_locks_django.conf import lock_settings
@@ -133,7 +133,7 @@ def current_advisory_locks(using: str = DEFAULT_DB_ALIAS) -> list[LockName]:
     :returns: one name per lock held (a re-entered lock is counted, not listed again),
         session and transaction locks alike.
     """
-    return DjangoSite(using).held_names()
+    return site_for_alias(using).held_names()
 
 
 class DjangoAdvisoryLock:
@@ -146,8 +146,7 @@ class DjangoAdvisoryLock:
     """
 
     __slots__ = (
-        "_atomics",
-        "_holdings",
+        "_held",
         "_lock",
         "_name",
         "_options",
@@ -177,14 +176,14 @@ class DjangoAdvisoryLock:
         if not isinstance(using, str):
             raise TypeError(f"using must be a database alias, not {type(using).__name__}")
         self.using = using
-        self._options = lock_options(
+        self._options = options = lock_options(
             defaults.timeout if timeout is DEFAULT else timeout,
             shared,
-            defaults.transaction if isinstance(transaction, _Default) else transaction,
+            defaults.transaction if transaction is DEFAULT else transaction,
             timeout_first=True,
         )
-        self.timeout = self._options.timeout
-        self.transaction = self._options.transaction
+        self.timeout = options.timeout
+        self.transaction = options.transaction
         if not isinstance(skip_if_locked, bool):
             raise TypeError("skip_if_locked must be True or False")
         self.shared = shared
@@ -192,10 +191,12 @@ class DjangoAdvisoryLock:
         self.key_scheme = defaults.key_scheme if key_scheme is None else key_scheme
         self.key_prefix = defaults.key_prefix if key_prefix is None else key_prefix
         self._name = name
-        self._atomics: list[django_transaction.Atomic | None] = []
-        self._holdings: list[tuple[DjangoConnectionLocks, Holding]] = []
+        # Per holder (re-entry adds one): the registry and holding it counts on, and the
+        # atomic() block its acquire opened (transaction=True outside one), if any.
+        self._held: list[tuple[DjangoConnectionLocks, Holding, django_transaction.Atomic | None]]
+        self._held = []
         self._lock: AdvisoryLock | None = None
-        self._site = DjangoSite(using)
+        self._site = site_for_alias(using)
         if not callable(name):
             # Bad names and options fail here, before any SQL.
             self._lock = self._core_lock(name)
@@ -224,7 +225,7 @@ class DjangoAdvisoryLock:
         :raises LockDeadlock: when the server detected a deadlock.
         :raises UnsupportedFeature: when the database cannot honour the options.
         """
-        lock = self._core()
+        lock = self._lock or self._core()
         atomic = None
         if self.transaction and not (wrapper := connections[self.using]).in_atomic_block:
             if not wrapper.get_autocommit():
@@ -253,13 +254,10 @@ class DjangoAdvisoryLock:
             if atomic is not None:
                 atomic.__exit__(None, None, None)
             return False
-        borrow = self._site.last_borrow
-        assert borrow is not None
-        locks = borrow.registry
-        holding = lock.holding
-        assert holding is not None
-        self._atomics.append(atomic)
-        self._holdings.append((locks, holding))
+        held = lock.held_on
+        assert held is not None
+        locks, holding = held
+        self._held.append((locks, holding, atomic))
         return True
 
     def release(self) -> None:
@@ -274,15 +272,15 @@ class DjangoAdvisoryLock:
         try:
             self._core().ensure_held()
         except LockLost as error:
-            if not self._holdings:
+            if not self._held:
                 raise
-            locks, holding = self._holdings[-1]
+            locks, holding, _ = self._held[-1]
             locks.released(holding, "lost")
             raise self._lost(locks, holding, error) from error.__cause__
         except DatabaseError as error:
-            if not self._holdings or not self._connection_gone(error):
+            if not self._held or not self._connection_gone(error):
                 raise
-            locks, holding = self._holdings[-1]
+            locks, holding, _ = self._held[-1]
             locks.released(holding, "lost")
             raise self._lost_connection(error) from error
 
@@ -292,12 +290,11 @@ class DjangoAdvisoryLock:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        lock = self._core()
-        if not self._holdings:
+        lock = self._lock or self._core()
+        if not self._held:
             lock.release()  # raises the core's "not held" error
             return
-        locks, holding = self._holdings.pop()
-        atomic = self._atomics.pop()
+        locks, holding, atomic = self._held.pop()
         try:
             try:
                 lock.release()

@@ -183,10 +183,13 @@ class AdvisoryLock(LockContract):
         return holding.active and not borrowed.state.inherited
 
     @property
-    def holding(self) -> Holding | None:
-        """The holding this object counts on while it holds the lock (for bindings that
-        keep their own record of it, as Django's does)."""
-        return self._holding if self._count else None
+    def held_on(self) -> tuple[Any, Holding] | None:
+        """The connection state and the holding this object counts on while it holds the
+        lock (for bindings that keep their own record of it, as Django's does)."""
+        holding, borrowed = self._holding, self._borrowed
+        if not self._count or holding is None or borrowed is None:
+            return None
+        return borrowed.state, holding
 
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
