@@ -99,9 +99,17 @@ CLOSED_HOLDING: Final = (
 )
 REQUEST_ENDED: Final = "the request it was taken in ended before it was released"
 
-# Whether this thread is inside a request (between request_started and
-# request_finished). Django's connections are per thread, and so is this.
-_request = threading.local()
+
+class _RequestState(threading.local):
+    """Whether this thread is inside a request (between request_started and
+    request_finished). Django's connections are per thread, and so is this."""
+
+    # A class default, so that a thread that never saw a request reads False without
+    # an AttributeError being raised and caught on every session lock.
+    active = False
+
+
+_request = _RequestState()
 
 # Every registry alive in this process, so the management command can name the keys of
 # locks this process holds, whichever thread holds them.
@@ -166,7 +174,7 @@ class DjangoConnectionLocks(ConnectionState):
         holding = super().add(key, shared=shared, transaction=transaction)
         if transaction:
             self._watch_transaction(holding)
-        elif getattr(_request, "active", False):
+        elif _request.active:
             self.request_holdings.append(holding)
         return holding
 
