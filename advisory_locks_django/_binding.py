@@ -184,7 +184,8 @@ class DjangoConnectionLocks(ConnectionState):
 
     def forget(self, holding: Holding) -> None:
         super().forget(holding)
-        self.commit_hooks.pop(holding, None)
+        if self.commit_hooks:
+            self.commit_hooks.pop(holding, None)
 
     def released(self, holding: Holding, reason: str) -> None:
         """The server no longer holds ``holding``: forget it, and report its end (once;

@@ -213,7 +213,8 @@ class ConnectionState:
         """The server no longer holds ``holding`` (``reason`` as a ``released`` event
         says it): forget it, and report its end."""
         self.forget(holding)
-        report_end(holding, reason)
+        if holding.source is not None:  # report_end's first test, asked before the call
+            report_end(holding, reason)
 
     def _entry(self, key: LockKey, shared: bool, transaction: bool) -> HoldingKey:
         # What the server locks on decides which holdings are one lock: the integer key
