@@ -34,6 +34,7 @@ interpreters that collect later.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import weakref
@@ -482,6 +483,31 @@ class DjangoSite:
         """The thread's connection to the alias, checked as a lock on it needs."""
         alias = self.alias
         wrapper = connections[alias]
+        if not transaction:
+            registry = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
+            # The usual session lock: on the DB-API connection this library lent before,
+            # in this process, in autocommit (so outside atomic()), with nothing for the
+            # full path below to refuse, reconcile, check or finish first. Everything it
+            # tests is an attribute; the full path asks the same questions of each.
+            if (
+                isinstance(registry, DjangoConnectionLocks)
+                and registry.dbapi_connection is wrapper.connection
+                and registry.behind_proxy is False
+                and not registry.commit_hooks
+                and not registry.pending_release
+                and not registry.inherited
+                and wrapper.autocommit
+                and not wrapper.needs_rollback
+                and asyncio._get_running_loop() is None  # Django refuses queries there
+                and alias not in lock_settings().poolers
+            ):
+                borrow = registry.borrows.get(False)
+                if borrow is not None:
+                    return borrow
+        return self._borrow(wrapper, transaction)
+
+    def _borrow(self, wrapper: BaseDatabaseWrapper, transaction: bool) -> DjangoBorrow:
+        alias = self.alias
         pooler = lock_settings().poolers.get(alias)
         if not transaction and pooler in SESSION_UNSAFE_POOLERS:
             raise UnsupportedFeature(

@@ -321,3 +321,43 @@ def test_lock_statements_are_bound_on_the_server_and_not_prepared(admin: Admin) 
         assert "pg_advisory_lock($1)" in row[0]
         prepared = connection.connection.execute("SELECT count(*) FROM pg_prepared_statements")
         assert prepared.fetchone() == (0,)
+
+
+# A connection's later locks take a shorter path than its first (its borrow is kept);
+# what the first lock's checks refuse, every later lock's checks refuse too.
+
+
+def test_a_pooler_declared_after_a_connections_first_lock_is_refused_on_the_next() -> None:
+    from django.test import override_settings
+
+    with advisory_lock(unique_name()):
+        pass
+    with (
+        override_settings(ADVISORY_LOCKS={"POOLERS": {"default": "pgbouncer-transaction"}}),
+        pytest.raises(UnsupportedFeature, match="transaction=True"),
+    ):
+        advisory_lock(unique_name()).acquire()
+    assert current_advisory_locks() == []
+
+
+def test_a_sync_acquire_from_async_code_is_refused_after_the_connections_first_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = unique_name()
+
+    async def take() -> None:
+        wrapper = connections["default"]
+        monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+        with advisory_lock(unique_name()):  # allowed while the variable is set
+            pass
+        monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE")
+        try:
+            with pytest.raises(SynchronousOnlyOperation):
+                advisory_lock(name).acquire()
+        finally:
+            monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+            assert name not in current_advisory_locks()
+            wrapper.close()
+            monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE")
+
+    asyncio.run(take())
