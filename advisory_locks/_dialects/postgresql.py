@@ -164,29 +164,14 @@ class PostgresBackend:
         timeout: Timeout,
         in_transaction: bool,
     ) -> Statement | None:
-        function = _LOCK_FUNCTIONS[shared, transaction]
-        arity = len(key.ints)
-        if timeout == 0:
-            return Statement(
-                VALUE, _statement_for("SELECT pg_try_{}({})", function, arity), key.ints
-            )
-        if in_transaction:
+        if in_transaction and timeout != 0:
             return None  # a savepoint around the wait: a script, and its own rollback
-        if timeout is None:
-            return Statement(VALUE, _statement_for("SELECT pg_{}({})", function, arity), key.ints)
-        # Outside a transaction block one statement is one implicit transaction, and
-        # set_config(..., true) is local to it: the caller's lock_timeout is back in force
-        # as soon as the lock is granted (a session lock outlives the implicit
-        # transaction). The set_config sits in a FROM subquery so it runs before the wait
-        # starts: a subquery with a volatile output is never flattened into its parent,
-        # and the parent's row needs the subquery's. One parameterised statement, so
-        # drivers that prepare statements (psycopg 3 after a few uses) reuse its plan, as
-        # they do the unlock's.
-        return Statement(
-            VALUE,
-            _statement_for(TIMEOUT_LOCK_SQL, function, arity),
-            (*key.ints, _timeout_text(timeout)),
-        )
+        made = (key.ints, shared, transaction, timeout)
+        statement = _lock_statements.get(made)
+        if statement is None:
+            statement = _lock_statement(key.ints, shared, transaction, timeout)
+            _remember(_lock_statements, made, statement)
+        return statement
 
     def lock_identity(self, key: LockKey) -> Hashable:
         return key.ints
@@ -196,10 +181,15 @@ class PostgresBackend:
         return bool(released)
 
     def unlock_statement(self, key: LockKey, *, shared: bool) -> Statement:
-        function = "advisory_unlock_shared" if shared else "advisory_unlock"
-        return Statement(
-            VALUE, _statement_for("SELECT pg_{}({})", function, len(key.ints)), key.ints
-        )
+        made = (key.ints, shared)
+        statement = _unlock_statements.get(made)
+        if statement is None:
+            function = "advisory_unlock_shared" if shared else "advisory_unlock"
+            statement = Statement(
+                VALUE, _statement_for("SELECT pg_{}({})", function, len(key.ints)), key.ints
+            )
+            _remember(_unlock_statements, made, statement)
+        return statement
 
     def is_held(self, state: dict[str, Any], key: LockKey, *, shared: bool) -> StatementSteps[bool]:
         # The mode is one of two constants, never caller text.
@@ -385,6 +375,45 @@ _LOCK_FUNCTIONS: Final = {
     (False, True): "advisory_xact_lock",
     (True, True): "advisory_xact_lock_shared",
 }
+
+
+def _lock_statement(
+    ints: tuple[int, ...], shared: bool, transaction: bool, timeout: Timeout
+) -> Statement:
+    """The lock statement outside a transaction block, and the try_ variants anywhere."""
+    function = _LOCK_FUNCTIONS[shared, transaction]
+    arity = len(ints)
+    if timeout == 0:
+        return Statement(VALUE, _statement_for("SELECT pg_try_{}({})", function, arity), ints)
+    if timeout is None:
+        return Statement(VALUE, _statement_for("SELECT pg_{}({})", function, arity), ints)
+    # Outside a transaction block one statement is one implicit transaction, and
+    # set_config(..., true) is local to it: the caller's lock_timeout is back in force as
+    # soon as the lock is granted (a session lock outlives the implicit transaction). The
+    # set_config sits in a FROM subquery so it runs before the wait starts: a subquery
+    # with a volatile output is never flattened into its parent, and the parent's row
+    # needs the subquery's. One parameterised statement, so drivers that prepare
+    # statements (psycopg 3 after a few uses) reuse its plan, as they do the unlock's.
+    return Statement(
+        VALUE, _statement_for(TIMEOUT_LOCK_SQL, function, arity), (*ints, _timeout_text(timeout))
+    )
+
+
+# The lock and unlock statements of the keys locked lately, by key and options: an
+# application takes the same few locks again and again, and finding a statement costs a
+# third of making one. Statements are never changed once made, so every thread may share
+# them. Emptied when full, which only costs the next few locks the making again.
+_lock_statements: dict[tuple[object, ...], Statement] = {}
+_unlock_statements: dict[tuple[object, ...], Statement] = {}
+STATEMENT_CACHE_LIMIT: Final = 1024
+
+
+def _remember(
+    statements: dict[tuple[object, ...], Statement], made: tuple[object, ...], statement: Statement
+) -> None:
+    if len(statements) >= STATEMENT_CACHE_LIMIT:
+        statements.clear()
+    statements[made] = statement
 
 
 @cache
