@@ -372,9 +372,12 @@ class AdvisoryLock(LockContract):
                     "needed)"
                 )
             self._owner = owner
+        borrowed = self._borrowed
+        if borrowed is None:  # a new object, or one whose holders all released it
+            self._count = 0
+            return False
+        borrowed.state.observe()
         holding = self._holding
-        if self._borrowed is not None:
-            self._borrowed.state.observe()
         if self._count and holding is not None and holding.active:
             self._count += 1
             holding.count += 1
