@@ -46,7 +46,7 @@ class DBAPIExecutor:
     statement and its fetch. The cursor dies with its connection, as does this executor.
     """
 
-    __slots__ = ("_cursor", "_mutex", "_script_options", "connection", "state")
+    __slots__ = ("_check_closed", "_cursor", "_mutex", "_script_options", "connection", "state")
 
     def __init__(self, connection: Any, state: dict[str, Any] | None = None) -> None:
         self.connection = connection
@@ -58,9 +58,13 @@ class DBAPIExecutor:
         # (several commands in one round trip) must never be prepared.
         # (psycopg >= 3.2 names its classes' module "psycopg", older ones "psycopg.connection".)
         module = type(connection).__module__
-        self._script_options: dict[str, Any] = (
-            {"prepare": False} if module == "psycopg" or module.startswith("psycopg.") else {}
-        )
+        psycopg3 = module == "psycopg" or module.startswith("psycopg.")
+        self._script_options: dict[str, Any] = {"prepare": False} if psycopg3 else {}
+        # Some drivers close a connection's cursors with it (psycopg2), and then a new
+        # cursor's error says the connection is gone where the old one's would not; a
+        # psycopg 3 cursor is closed only by its own close(), which nothing calls on this
+        # private one, so its `closed` property is not read before every statement.
+        self._check_closed = not psycopg3
         server_info = getattr(connection, "get_server_info", None)
         if callable(server_info) and SERVER_VERSION_STATE not in self.state:
             # PyMySQL and mysqlclient know the version from the handshake.
@@ -94,7 +98,9 @@ class DBAPIExecutor:
         with self._mutex:
             try:
                 cursor = self._cursor
-                if cursor is None or getattr(cursor, "closed", False) is True:
+                if cursor is None or (
+                    self._check_closed and getattr(cursor, "closed", False) is True
+                ):
                     cursor = self._cursor = self.new_cursor()
                 kind = statement.kind
                 if kind == VALUE:
