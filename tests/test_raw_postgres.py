@@ -36,6 +36,8 @@ from advisory_locks import (
     current_advisory_locks,
     declare_pooler,
 )
+from advisory_locks._core.executors import DBAPIExecutor
+from advisory_locks._core.steps import VALUE, Statement
 from advisory_locks.keys import LockName
 from tests.helpers import backend_alive, holder_pids, lock_rows, unique_name, wait_for
 
@@ -623,6 +625,21 @@ def test_acquire_on_a_dead_connection_raises_a_typed_error(
     assert isinstance(raised.value.__cause__, (psycopg.Error, psycopg2.Error)) or (
         "closed" in str(raised.value)
     )
+
+
+def test_a_statement_on_a_closed_psycopg2_connection_fails_saying_the_connection_is_closed(
+    dsn: str,
+) -> None:
+    # psycopg2 closes a connection's cursors with it; the executor's reused cursor would
+    # then fail with "cursor already closed", which says nothing of the connection. The
+    # executor asks a psycopg2 cursor whether it is closed and makes a new one, whose
+    # error names the connection (the other drivers' cursors are never asked).
+    connection = psycopg2.connect(dsn)
+    executor = DBAPIExecutor(connection)
+    assert executor.execute(Statement(VALUE, "SELECT 1")) == 1
+    connection.close()
+    with pytest.raises(psycopg2.InterfaceError, match="connection already closed"):
+        executor.execute(Statement(VALUE, "SELECT 1"))
 
 
 def test_a_closed_connection_reports_its_locks_lost(connection_target: RawTarget) -> None:

@@ -58,13 +58,12 @@ class DBAPIExecutor:
         # (several commands in one round trip) must never be prepared.
         # (psycopg >= 3.2 names its classes' module "psycopg", older ones "psycopg.connection".)
         module = type(connection).__module__
-        psycopg3 = module == "psycopg" or module.startswith("psycopg.")
-        self._script_options: dict[str, Any] = {"prepare": False} if psycopg3 else {}
-        # Some drivers close a connection's cursors with it (psycopg2), and then a new
-        # cursor's error says the connection is gone where the old one's would not; a
-        # psycopg 3 cursor is closed only by its own close(), which nothing calls on this
-        # private one, so its `closed` property is not read before every statement.
-        self._check_closed = not psycopg3
+        self._script_options: dict[str, Any] = (
+            {"prepare": False} if module == "psycopg" or module.startswith("psycopg.") else {}
+        )
+        # Set for each new cursor: whether it is asked before each statement if it is
+        # closed (see _closes_with_connection).
+        self._check_closed = False
         server_info = getattr(connection, "get_server_info", None)
         if callable(server_info) and SERVER_VERSION_STATE not in self.state:
             # PyMySQL and mysqlclient know the version from the handshake.
@@ -98,10 +97,9 @@ class DBAPIExecutor:
         with self._mutex:
             try:
                 cursor = self._cursor
-                if cursor is None or (
-                    self._check_closed and getattr(cursor, "closed", False) is True
-                ):
+                if cursor is None or (self._check_closed and cursor.closed is True):
                     cursor = self._cursor = self.new_cursor()
+                    self._check_closed = _closes_with_connection(cursor)
                 kind = statement.kind
                 if kind == VALUE:
                     cursor.execute(statement.sql, tuple(statement.params))
@@ -129,6 +127,20 @@ class DBAPIExecutor:
     def failed(self) -> None:
         """Called inside the ``except`` block of a statement that raised, before the
         error propagates: a binding may raise its framework's error in its place."""
+
+
+def _closes_with_connection(cursor: Any) -> bool:
+    """Whether a cursor may be closed under its user, so that it must be replaced before a
+    statement: psycopg2 closes a connection's cursors with it, and the old cursor's error
+    would then not say the connection is gone, where a new cursor's does. A psycopg 3
+    cursor is closed only by its own close(), never called on an executor's private one;
+    sqlite3's, PyMySQL's and mysqlclient's have no ``closed`` to ask. Reading the
+    attribute costs a Python call on psycopg 3 and a raised AttributeError on the others,
+    at every statement."""
+    module = type(cursor).__module__
+    if module == "psycopg" or module.startswith("psycopg."):
+        return False
+    return hasattr(cursor, "closed")
 
 
 def protocol_session_id(driver_connection: Any) -> int | None:
