@@ -361,3 +361,54 @@ def test_a_sync_acquire_from_async_code_is_refused_after_the_connections_first_l
             monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE")
 
     asyncio.run(take())
+
+
+def test_a_session_lock_inside_atomic_after_the_connections_first_lock_leaves_it_usable(
+    admin: Admin,
+) -> None:
+    # Inside atomic() the lock's wait must not abort the caller's transaction, nor leave
+    # its lock_timeout behind in it, although the connection's first lock (outside
+    # atomic()) went the short way.
+    name = unique_name()
+    with advisory_lock(unique_name(), timeout=5):
+        pass
+    release, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with advisory_lock(name):
+            held.set()
+            release.wait(30)
+
+    holder = run_in_thread(hold)
+    assert held.wait(10)
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SHOW lock_timeout")
+            before = cursor.fetchone()
+            assert advisory_lock(name, timeout=0.2).acquire() is False
+            with advisory_lock(unique_name(), timeout=5):
+                pass
+            cursor.execute("SHOW lock_timeout")  # the transaction is usable, as it was
+            assert cursor.fetchone() == before
+    finally:
+        release.set()
+        holder.get()
+
+
+def test_an_unlock_a_failed_transaction_postponed_runs_at_the_next_lock(admin: Admin) -> None:
+    from django.db import DatabaseError
+
+    name = unique_name()
+    with advisory_lock(unique_name()):
+        pass
+    lock = advisory_lock(name)
+    assert lock.acquire()
+    with transaction.atomic():
+        with pytest.raises(DatabaseError), connection.cursor() as cursor:
+            cursor.execute("SELECT 1/0")  # the transaction has failed: no unlock can run
+        lock.release()
+        assert holders(admin, name) == [server_pid()]
+        transaction.set_rollback(True)
+    with advisory_lock(unique_name()):  # the next lock finishes the postponed unlock
+        pass
+    assert holders(admin, name) == []

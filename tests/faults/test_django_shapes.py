@@ -248,6 +248,38 @@ def test_a_forked_child_never_releases_its_parents_lock(holder: Any, django_alia
     assert holder(name) is None
 
 
+def _child_of_a_connection_that_locked(alias: str, name: str, report: Any) -> None:
+    try:
+        with advisory_lock(name, using=alias, timeout=0):
+            report.send("held")
+        connections.close_all()
+    except BaseException:
+        report.send(traceback.format_exc())
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_locks_on_a_connection_of_its_own_after_its_parent_locked(
+    holder: Any, django_alias: str
+) -> None:
+    # The parent's connection has lent its borrow for session locks already; the child's
+    # copy of it must not be lent again (it is the parent's session), but replaced.
+    with advisory_lock(unique_name("django-fork-first"), using=django_alias):
+        pass
+    name = unique_name("django-fork-own")
+    context = multiprocessing.get_context("fork")
+    receiving, sending = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_child_of_a_connection_that_locked, args=(django_alias, name, sending)
+    )
+    child.start()
+    child.join(60)
+    assert receiving.poll(5)
+    assert receiving.recv() == "held"
+    assert holder(name) is None
+    with advisory_lock(name, using=django_alias, timeout=0):  # the parent's session is intact
+        assert holder(name) is not None
+
+
 # -- cancellation: an abandoned wait is never granted ---------------------------------------
 
 
