@@ -183,6 +183,11 @@ class AdvisoryLock(LockContract):
         return holding.active and not borrowed.state.inherited
 
     @property
+    def holding(self) -> Holding | None:
+        """The holding this object counts on while it holds the lock."""
+        return self._holding if self._count else None
+
+    @property
     def held_on(self) -> tuple[Any, Holding] | None:
         """The connection state and the holding this object counts on while it holds the
         lock (for bindings that keep their own record of it, as Django's does)."""
