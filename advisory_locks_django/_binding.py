@@ -487,8 +487,8 @@ class DjangoSite:
             registry = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
             # The usual session lock: on the DB-API connection this library lent before,
             # in this process, in autocommit (so outside atomic()), with nothing for the
-            # full path below to refuse, reconcile, check or finish first. Everything it
-            # tests is an attribute; the full path asks the same questions of each.
+            # full path below to refuse, reconcile, check or finish first. It asks the
+            # full path's questions of attributes, without the calls that ask them there.
             if (
                 isinstance(registry, DjangoConnectionLocks)
                 and registry.dbapi_connection is wrapper.connection

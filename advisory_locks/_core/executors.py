@@ -134,9 +134,9 @@ def _closes_with_connection(cursor: Any) -> bool:
     statement: psycopg2 closes a connection's cursors with it, and the old cursor's error
     would then not say the connection is gone, where a new cursor's does. A psycopg 3
     cursor is closed only by its own close(), never called on an executor's private one;
-    sqlite3's, PyMySQL's and mysqlclient's have no ``closed`` to ask. Reading the
-    attribute costs a Python call on psycopg 3 and a raised AttributeError on the others,
-    at every statement."""
+    sqlite3's, PyMySQL's and mysqlclient's have no ``closed`` to ask. Asking cost a
+    Python call at every statement on psycopg 3, and a raised and caught AttributeError
+    on mysqlclient (whose cursors' ``__getattr__`` raises)."""
     module = type(cursor).__module__
     if module == "psycopg" or module.startswith("psycopg."):
         return False
