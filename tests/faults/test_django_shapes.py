@@ -23,14 +23,15 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
 
-from advisory_locks import AdvisoryLockError, LockLost
+from advisory_locks import AdvisoryLockError, LockLost, UnsupportedFeature
 from advisory_locks_django import advisory_lock, current_advisory_locks
 from tests.databases import psycopg_connect
 from tests.django.real_requests import asgi_request, handle_request, wsgi_worker
 from tests.django.support import in_thread, run_in_thread
 from tests.faults.conftest import inject
+from tests.faults.pgbouncer import TRANSACTION_POOL, PgBouncer
 from tests.faults.servers import FaultDatabase, postgres_holder
-from tests.helpers import backend_alive, unique_name, wait_for
+from tests.helpers import backend_alive, holder_pids, unique_name, wait_for
 
 pytestmark = pytest.mark.faults
 
@@ -278,6 +279,34 @@ def test_a_forked_child_locks_on_a_connection_of_its_own_after_its_parent_locked
     assert holder(name) is None
     with advisory_lock(name, using=django_alias, timeout=0):  # the parent's session is intact
         assert holder(name) is not None
+
+
+# -- poolers: a connection refused once is refused at every lock ------------------------------
+
+
+def test_every_session_lock_through_an_undeclared_transaction_pooler_is_refused(
+    pgbouncer: PgBouncer, pg_admin: Any, django_db_blocker: Any
+) -> None:
+    # The first lock asks the server and finds statements running in another session
+    # than the driver connected to; the connection's borrow is made before that check,
+    # and the next lock must not be lent it without asking (a session lock through
+    # transaction pooling can end up held on another client's server connection).
+    inject("PgBouncer transaction pooling (Django)")
+    settings = connections.settings["default"]
+    saved = {key: settings[key] for key in ("HOST", "PORT", "NAME")}
+    url = pgbouncer.url(TRANSACTION_POOL)
+    name = unique_name("django-pooler")
+    connections["default"].close()
+    settings.update(HOST=url.host, PORT=url.port, NAME=url.database)
+    try:
+        with django_db_blocker.unblock():
+            for _ in range(2):
+                with pytest.raises(UnsupportedFeature, match="pooler or proxy"):
+                    advisory_lock(name).acquire()
+            assert holder_pids(pg_admin, name) == []
+    finally:
+        connections["default"].close()
+        settings.update(saved)
 
 
 # -- cancellation: an abandoned wait is never granted ---------------------------------------
