@@ -53,7 +53,11 @@ from advisory_locks._core.connection import (
     release_session_locks,
     server_checked,
 )
-from advisory_locks._core.executors import DBAPIExecutor, detach_inherited_connection
+from advisory_locks._core.executors import (
+    DBAPIExecutor,
+    detach_inherited_connection,
+    from_psycopg3,
+)
 from advisory_locks._core.steps import Executor, on, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
 from advisory_locks.errors import UnsupportedFeature
@@ -450,8 +454,7 @@ class DjangoExecutor(DBAPIExecutor):
 
     def new_cursor(self) -> Any:
         connection = self.connection
-        module = type(connection).__module__
-        if module == "psycopg" or module.startswith("psycopg."):
+        if from_psycopg3(type(connection)):
             import psycopg
             from psycopg.rows import tuple_row
 

@@ -22,6 +22,7 @@ __all__ = [
     "detach_inherited_connection",
     "driver_autocommit",
     "driver_in_transaction",
+    "from_psycopg3",
     "protocol_session_id",
     "restore_driver_autocommit",
     "set_driver_autocommit",
@@ -56,10 +57,8 @@ class DBAPIExecutor:
         # psycopg 3 prepares statements it sees often, and every statement with
         # prepare_threshold=0; a prepared statement holds one command, so a script
         # (several commands in one round trip) must never be prepared.
-        # (psycopg >= 3.2 names its classes' module "psycopg", older ones "psycopg.connection".)
-        module = type(connection).__module__
         self._script_options: dict[str, Any] = (
-            {"prepare": False} if module == "psycopg" or module.startswith("psycopg.") else {}
+            {"prepare": False} if from_psycopg3(type(connection)) else {}
         )
         # Set for each new cursor: whether it is asked before each statement if it is
         # closed (see _closes_with_connection).
@@ -87,7 +86,7 @@ class DBAPIExecutor:
             if isinstance(factory, type) and issubclass(factory, psycopg2.extras.RealDictCursor):
                 return self.connection.cursor(cursor_factory=psycopg2.extensions.cursor)
             return self.connection.cursor()
-        if module == "psycopg" or module.startswith("psycopg."):
+        if from_psycopg3(type(self.connection)):
             from psycopg.rows import tuple_row
 
             return self.connection.cursor(row_factory=tuple_row)
@@ -137,10 +136,14 @@ def _closes_with_connection(cursor: Any) -> bool:
     sqlite3's, PyMySQL's and mysqlclient's have no ``closed`` to ask. Asking cost a
     Python call at every statement on psycopg 3, and a raised and caught AttributeError
     on mysqlclient (whose cursors' ``__getattr__`` raises)."""
-    module = type(cursor).__module__
-    if module == "psycopg" or module.startswith("psycopg."):
-        return False
-    return hasattr(cursor, "closed")
+    return not from_psycopg3(type(cursor)) and hasattr(cursor, "closed")
+
+
+def from_psycopg3(cls: type) -> bool:
+    """Whether ``cls`` is one of psycopg 3's classes (a connection, a cursor). psycopg >=
+    3.2 names their module "psycopg", older releases "psycopg.connection" and the like."""
+    module = cls.__module__
+    return module == "psycopg" or module.startswith("psycopg.")
 
 
 def protocol_session_id(driver_connection: Any) -> int | None:
@@ -190,9 +193,8 @@ def _kind(connection: Any) -> int:
             kind |= _AUTOCOMMIT_METHOD
         if callable(getattr(cls, "is_in_transaction", None)):
             kind |= _IN_TRANSACTION_METHOD
-        module = cls.__module__
         # pgconn is set per instance (no class attribute): ask the connection.
-        if (module == "psycopg" or module.startswith("psycopg.")) and hasattr(connection, "pgconn"):
+        if from_psycopg3(cls) and hasattr(connection, "pgconn"):
             kind |= _PGCONN
             if "_autocommit" in getattr(connection, "__dict__", ()) and not (
                 inspect.iscoroutinefunction(getattr(cls, "set_autocommit", None))

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final
 
+from advisory_locks._core.executors import from_psycopg3
+
 __all__ = [
     "LISTENING_DRIVERS",
     "AsyncReleaseListener",
@@ -41,7 +43,7 @@ def receive_notifications(connection: Any, timeout: float) -> list[str] | None:
     """Payloads of the notifications that arrive on ``connection`` within ``timeout``;
     None when the driver cannot receive notifications."""
     module = type(connection).__module__
-    if module == "psycopg" or module.startswith("psycopg."):
+    if from_psycopg3(type(connection)):
         # stop_after: return with the first notification, not at the end of the timeout.
         return [n.payload for n in connection.notifies(timeout=timeout, stop_after=1)]
     if module.startswith("psycopg2"):
