@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -284,18 +285,15 @@ def test_releasing_another_threads_lock_by_name_says_it_is_held_elsewhere(admin:
         in_thread(lambda: advisory_lock(name).release())
 
 
-def test_a_sync_acquire_from_async_code_is_refused_like_a_query(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Even where the async context has its connection open already (opened while
-    # DJANGO_ALLOW_ASYNC_UNSAFE was set): blocking the event loop in a lock wait is what
-    # Django's SynchronousOnlyOperation is there to stop.
+def _refused_in_async_code(monkeypatch: pytest.MonkeyPatch, prepare: Callable[[], None]) -> None:
+    """In async code, run ``prepare`` while DJANGO_ALLOW_ASYNC_UNSAFE is set (it opens the
+    async context's connection), then check that a sync acquire is refused like a query."""
     name = unique_name()
 
     async def take() -> None:
         wrapper = connections["default"]
         monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-        wrapper.ensure_connection()
+        prepare()
         monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE")
         try:
             with pytest.raises(SynchronousOnlyOperation):
@@ -307,6 +305,15 @@ def test_a_sync_acquire_from_async_code_is_refused_like_a_query(
             monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE")
 
     asyncio.run(take())
+
+
+def test_a_sync_acquire_from_async_code_is_refused_like_a_query(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Even where the async context has its connection open already (opened while
+    # DJANGO_ALLOW_ASYNC_UNSAFE was set): blocking the event loop in a lock wait is what
+    # Django's SynchronousOnlyOperation is there to stop.
+    _refused_in_async_code(monkeypatch, lambda: connections["default"].ensure_connection())
 
 
 def test_lock_statements_are_bound_on_the_server_and_not_prepared(admin: Admin) -> None:
@@ -343,24 +350,11 @@ def test_a_pooler_declared_after_a_connections_first_lock_is_refused_on_the_next
 def test_a_sync_acquire_from_async_code_is_refused_after_the_connections_first_lock(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    name = unique_name()
-
-    async def take() -> None:
-        wrapper = connections["default"]
-        monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    def first_lock() -> None:
         with advisory_lock(unique_name()):  # allowed while the variable is set
             pass
-        monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE")
-        try:
-            with pytest.raises(SynchronousOnlyOperation):
-                advisory_lock(name).acquire()
-        finally:
-            monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-            assert name not in current_advisory_locks()
-            wrapper.close()
-            monkeypatch.delenv("DJANGO_ALLOW_ASYNC_UNSAFE")
 
-    asyncio.run(take())
+    _refused_in_async_code(monkeypatch, first_lock)
 
 
 def test_a_session_lock_inside_atomic_after_the_connections_first_lock_leaves_it_usable(
