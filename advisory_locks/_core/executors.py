@@ -19,6 +19,7 @@ from advisory_locks._dialects.base import SERVER_VERSION_STATE
 
 __all__ = [
     "DBAPIExecutor",
+    "claim_idle_autocommit",
     "detach_inherited_connection",
     "driver_autocommit",
     "driver_in_transaction",
@@ -243,7 +244,9 @@ def set_driver_autocommit(dbapi_connection: Any, value: bool) -> object:
 
 def restore_driver_autocommit(dbapi_connection: Any, previous: object) -> None:
     """Undo ``set_driver_autocommit`` with the value it returned."""
-    kind = _kind(dbapi_connection)
+    kind = _kinds.get(type(dbapi_connection))
+    if kind is None:
+        kind = _kind(dbapi_connection)
     if kind & _SQLITE3:
         dbapi_connection.isolation_level = previous
     elif kind & _PSYCOPG_BLOCKING:
@@ -252,6 +255,28 @@ def restore_driver_autocommit(dbapi_connection: Any, previous: object) -> None:
         dbapi_connection.autocommit(bool(previous))
     else:
         dbapi_connection.autocommit = bool(previous)
+
+
+def claim_idle_autocommit(connection: Any) -> bool | None:
+    """Switch an idle psycopg 3 connection to autocommit and return the mode it had.
+
+    One read of the connection answers what ``driver_in_transaction``,
+    ``driver_autocommit`` and ``set_driver_autocommit`` would each ask again: on a
+    blocking psycopg 3 connection outside a pipeline with no transaction open, the switch
+    is the flag (see ``_switch_psycopg_autocommit``). None, with nothing changed, for any
+    other connection or state: the caller then asks the general questions.
+    """
+    kind = _kinds.get(type(connection))
+    if (
+        kind is None
+        or not kind & _PSYCOPG_BLOCKING
+        or connection._pipeline is not None
+        or connection.pgconn.transaction_status != PQTRANS_IDLE
+    ):
+        return None
+    previous: bool = connection._autocommit
+    connection._autocommit = True
+    return previous
 
 
 def _switch_psycopg_autocommit(connection: Any, value: bool) -> None:
