@@ -248,13 +248,19 @@ def _environment() -> tuple[str | None, str | None]:
         if not isinstance(data, dict) or not callable(encode) or not callable(decode):
             return environ.get(PREFIX_ENV), environ.get(SCHEME_ENV)
         reader = _reader = (environ, data, encode(PREFIX_ENV), encode(SCHEME_ENV), decode)
-    data, decode = reader[1], reader[4]
+    data = reader[1]
     prefix = data.get(reader[2])
     scheme = data.get(reader[3])
+    if prefix is None and scheme is None:  # the usual answer: neither is set
+        return _UNSET
+    decode = reader[4]
     return (
         None if prefix is None else decode(prefix),
         None if scheme is None else decode(scheme),
     )
+
+
+_UNSET: Final = (None, None)
 
 
 # (the os.environ read, its _data, the two encoded names, decodevalue), for _environment
