@@ -78,6 +78,7 @@ from advisory_locks._core.contract import LockOptions, Timeout
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import (
     DBAPIExecutor,
+    claim_idle_autocommit,
     driver_autocommit,
     driver_in_transaction,
     restore_driver_autocommit,
@@ -159,8 +160,14 @@ class SQLAlchemyBinding:
     """Locks on SQLAlchemy binds, registered with the core dispatch."""
 
     def lock(self, bind: Any, key: LockKey, options: LockOptions) -> Any:
-        if type(bind) is Connection:  # the most common bind, without the dispatch below
+        # The common binds, without the dispatch below.
+        cls = type(bind)
+        if cls is Connection:
             return AdvisoryLock(ConnectionSite(bind), key, options)
+        if cls is Engine and not options.transaction:
+            return AdvisoryLock(EngineSite(bind, (key,)), key, options)
+        if cls is Session:
+            return AdvisoryLock(SessionSite(bind, (key,), shared=options.shared), key, options)
         sync = sync_bind(bind)
         site = _site_for(sync, transaction=options.transaction, keys=(key,), shared=options.shared)
         lock = AdvisoryLock(site, key, options)
@@ -757,16 +764,21 @@ class PooledBorrow(_SettledAtOnce):
         self._out = True
         self._users = 0
         info = fairy.info
-        driver = _driver(fairy)
         self.state = connection_state(info, backend, fairy)
-        self.shared = (
-            isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
-            or driver_in_transaction(driver) is True
-        )
-        if self.shared:
-            _lock_checkouts(info).add(self)
+        dbapi = fairy.dbapi_connection
+        single = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
+        # The usual checkout (psycopg 3, idle, a pool of many): not in a transaction, so
+        # not shared, and switched to autocommit, in one read of the connection.
+        previous = None if single or not backend.locks_on_server else claim_idle_autocommit(dbapi)
+        if previous is not None:
+            self.shared = False
+            if not previous:
+                info[AUTOCOMMIT_INFO_KEY] = (False,)
+        else:
+            self.shared = single or driver_in_transaction(_driver(fairy)) is True
+            if self.shared:
+                _lock_checkouts(info).add(self)
         try:
-            dbapi = fairy.dbapi_connection
             if self.shared:
                 # The application's connection too: its mode stays as the application set
                 # it, and a transaction open on it is joined (see _AutocommitExecutor).
@@ -776,7 +788,7 @@ class PooledBorrow(_SettledAtOnce):
                     else executor_for(fairy, fairy.info)
                 )
             else:
-                if backend.locks_on_server and not driver_autocommit(dbapi):
+                if previous is None and backend.locks_on_server and not driver_autocommit(dbapi):
                     info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
                 self.executor = executor_for(fairy, info)
             pooler = _declared_pooler(engine.get_execution_options())
@@ -813,7 +825,11 @@ class PooledBorrow(_SettledAtOnce):
         self._registry.discard(self)
         if self.shared:  # only a shared connection's borrow was added (see __init__)
             _lock_checkouts(self.fairy.info).discard(self)
-        _give_back(self.fairy, shared=self.shared)
+            _give_back(self.fairy, shared=True)
+        else:
+            # Not shared, so from a pool of many connections, where each checkout is a
+            # proxy of its own that no later checkout supersedes: _give_back's close.
+            self.fairy.close()
 
     def done(self) -> None:
         self._users -= 1
