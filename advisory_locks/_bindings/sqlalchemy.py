@@ -688,9 +688,19 @@ class _AutocommitExecutor:
         executor = self._executor
         if executor.connection is not dbapi:  # the checkout now holds another connection
             executor = self._executor = executor_for(fairy, info)
+        if AUTOCOMMIT_INFO_KEY in info:  # switched by an earlier statement, kept so
+            return executor.execute(statement)
+        inside = self.inside() if self.persist else None
+        if inside is False:
+            # The usual first statement (psycopg 3, idle): switched in one read.
+            claimed = claim_idle_autocommit(dbapi)
+            if claimed is not None:
+                if not claimed:
+                    info[AUTOCOMMIT_INFO_KEY] = (claimed,)
+                return executor.execute(statement)
         # In autocommit already, or inside a transaction the statement joins: it runs as
         # it is either way (the cheaper question first).
-        if AUTOCOMMIT_INFO_KEY in info or driver_autocommit(dbapi) or self.inside():
+        if inside or driver_autocommit(dbapi) or (inside is None and self.inside()):
             return executor.execute(statement)
         previous = set_driver_autocommit(dbapi, True)
         if self.persist:
@@ -997,11 +1007,23 @@ class SessionPin:
         self.state = connection_state(self.fairy.info, backend, self.fairy)
         self._borrow: weakref.ref[PinnedBorrow] | None = None
         self._pinned = True
-        # As for PooledBorrow: a connection handed out inside a transaction is someone
-        # else's too.
-        self.shared = isinstance(engine.pool, SINGLE_CONNECTION_POOLS) or (
-            joined is None and driver_in_transaction(_driver(self.fairy)) is True
-        )
+        single = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
+        claimed = None
+        if joined is None and not single and backend.locks_on_server:
+            # A checkout of its own from a pool of many (psycopg 3, idle): not shared, and
+            # switched to autocommit now, in one read, as its first lock statement would
+            # switch it (_AutocommitExecutor with persist).
+            claimed = claim_idle_autocommit(self.fairy.dbapi_connection)
+        if claimed is not None:
+            self.shared = False
+            if not claimed:
+                self.fairy.info[AUTOCOMMIT_INFO_KEY] = (False,)
+        else:
+            # As for PooledBorrow: a connection handed out inside a transaction is someone
+            # else's too.
+            self.shared = single or (
+                joined is None and driver_in_transaction(_driver(self.fairy)) is True
+            )
         session.info[PIN_INFO_KEY] = self
         if self.shared:
             _lock_checkouts(self.fairy.info).add(self)
@@ -1079,7 +1101,8 @@ class SessionPin:
 
     def _unbind(self) -> None:
         self._pinned = False
-        _lock_checkouts(self.fairy.info).discard(self)
+        if self.shared:  # only a shared connection's pin was added (see __init__)
+            _lock_checkouts(self.fairy.info).discard(self)
         session = self.session()
         if session is None:
             return
