@@ -835,11 +835,7 @@ class PooledBorrow(_SettledAtOnce):
         self._registry.discard(self)
         if self.shared:  # only a shared connection's borrow was added (see __init__)
             _lock_checkouts(self.fairy.info).discard(self)
-            _give_back(self.fairy, shared=True)
-        else:
-            # Not shared, so from a pool of many connections, where each checkout is a
-            # proxy of its own that no later checkout supersedes: _give_back's close.
-            self.fairy.close()
+        _give_back(self.fairy, shared=self.shared)
 
     def done(self) -> None:
         self._users -= 1
