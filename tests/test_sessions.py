@@ -189,6 +189,26 @@ def test_session_lock_taken_inside_a_transaction_outlives_its_commit(
         assert lock_rows(pg_admin, name) == []
 
 
+def test_session_lock_before_the_first_statement_of_a_transaction_leaves_it_one(
+    pg_engine: Engine,
+) -> None:
+    # The Session's transaction has its connection, but psycopg sends BEGIN only with the
+    # first statement, so the driver still says idle: the lock must not take that for a
+    # connection it may switch to autocommit, or the Session's statements would each
+    # commit on their own.
+    with advisory_lock(pg_engine, unique_name(), timeout=1):
+        pass  # as in any process after its first lock: the driver's kind is known
+    with Session(pg_engine) as session:
+        connection = session.connection()
+        assert driver_transaction_status(connection) == TransactionStatus.IDLE
+        with advisory_lock(session, unique_name(), timeout=1):
+            session.execute(text("SELECT 1"))
+            assert driver_transaction_status(connection) == TransactionStatus.INTRANS
+        session.execute(text("SELECT 1"))
+        assert driver_transaction_status(connection) == TransactionStatus.INTRANS
+        session.rollback()
+
+
 def test_release_after_the_locking_transaction_ended_leaves_the_connection_idle(
     pg_engine: Engine, pg_admin: Admin
 ) -> None:
