@@ -6,7 +6,10 @@ lock statements are replaced by a stub that answers at once ("granted", "release
 and what is left is timed in this thread's CPU time: building the lock, its rules, the
 binding's borrow and give-back, the pool where there is one. That is the part
 of ``cpu x twin`` the library can cut; the driver's own work is the twin's too.
-``--profile CASE`` adds a cProfile of the stubbed path (CPU clock) for one case.
+``--profile CASE`` adds a cProfile of the stubbed path (CPU clock) for one case;
+``--bytecodes CASE`` counts, with ``sys.settrace``, the bytecodes and calls of the
+library's own functions per operation on that stubbed path, biggest first (a count, so
+the same on every machine for the same Python and packages).
 
 Not a test and not part of ``benchmarks.run``: it patches private executor classes.
 """
@@ -14,7 +17,9 @@ Not a test and not part of ``benchmarks.run``: it patches private executor class
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
+import gc
 import os
 import pstats
 import statistics
@@ -22,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from types import FrameType
 from typing import Any
 
 from sqlalchemy import create_engine
@@ -85,10 +91,53 @@ def _executors() -> list[type]:
     return [executors.DBAPIExecutor, _raw.RaisingExecutor, PsycopgLockExecutor]
 
 
+def _count_bytecodes(operation: Callable[[], None], ops: int) -> None:
+    """Print the library's bytecodes and calls per operation, per function."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mine = (os.path.join(package, "advisory_locks"), os.path.join(package, "advisory_locks_django"))
+    opcodes: collections.Counter[tuple[str, int, str]] = collections.Counter()
+    calls: collections.Counter[tuple[str, int, str]] = collections.Counter()
+
+    def trace(frame: FrameType, event: str, argument: object) -> Any:
+        code = frame.f_code
+        if event != "call" or not code.co_filename.startswith(mine):
+            return None
+        where = (os.path.relpath(code.co_filename, package), code.co_firstlineno, code.co_name)
+        calls[where] += 1
+        frame.f_trace_opcodes = True
+
+        def local(frame: FrameType, event: str, argument: object) -> Any:
+            if event == "opcode":
+                opcodes[where] += 1
+            return local
+
+        return local
+
+    gc.collect()
+    gc.freeze()  # no full collection over the warmed-up heap in the middle of the count
+    sys.settrace(trace)
+    try:
+        for _ in range(ops):
+            operation()
+    finally:
+        sys.settrace(None)
+        gc.unfreeze()
+    print(
+        f"library: {sum(opcodes.values()) / ops:.0f} bytecodes, "
+        f"{sum(calls.values()) / ops:.0f} calls per acquire + release"
+    )
+    for where, count in opcodes.most_common():
+        path, line, function = where
+        print(f"{count / ops:8.1f} {calls[where] / ops:5.1f}  {path}:{line} {function}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.python_path")
     parser.add_argument("--blocks", type=int, default=40, help="blocks of 100 operations")
     parser.add_argument("--profile", metavar="CASE", help="also profile this case")
+    parser.add_argument(
+        "--bytecodes", metavar="CASE", help="also count the library's bytecodes for this case"
+    )
     arguments = parser.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {(os.cpu_count() or 1) - 1})
@@ -111,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                         operation()
                     blocks.append((time.thread_time_ns() - started) / 100_000)
                 print(f"{name:12} {statistics.median(blocks):6.1f} us per acquire + release")
+            if arguments.bytecodes:
+                _count_bytecodes(cases[arguments.bytecodes], 500)
             if arguments.profile:
                 operation = cases[arguments.profile]
                 profile = cProfile.Profile(time.thread_time)
