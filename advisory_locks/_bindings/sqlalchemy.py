@@ -691,13 +691,9 @@ class _AutocommitExecutor:
         if AUTOCOMMIT_INFO_KEY in info:  # switched by an earlier statement, kept so
             return executor.execute(statement)
         inside = self.inside() if self.persist else None
-        if inside is False:
-            # The usual first statement (psycopg 3, idle): switched in one read.
-            claimed = claim_idle_autocommit(dbapi)
-            if claimed is not None:
-                if not claimed:
-                    info[AUTOCOMMIT_INFO_KEY] = (claimed,)
-                return executor.execute(statement)
+        # The usual first statement (psycopg 3, idle): switched in one read.
+        if inside is False and _claim_autocommit(dbapi, info):
+            return executor.execute(statement)
         # In autocommit already, or inside a transaction the statement joins: it runs as
         # it is either way (the cheaper question first).
         if inside or driver_autocommit(dbapi) or (inside is None and self.inside()):
@@ -717,6 +713,18 @@ class _AutocommitExecutor:
             raise
         restore_driver_autocommit(dbapi, previous)
         return result
+
+
+def _claim_autocommit(dbapi: Any, info: dict[Any, Any]) -> bool:
+    """``claim_idle_autocommit`` on a pooled connection, recording the mode it had in
+    ``info`` for the "begin" and "checkin" hooks to put back; False, with nothing changed,
+    where the caller must ask the general questions."""
+    previous = claim_idle_autocommit(dbapi)
+    if previous is None:
+        return False
+    if not previous:
+        info[AUTOCOMMIT_INFO_KEY] = (False,)
+    return True
 
 
 def _check_server_once(
@@ -779,11 +787,9 @@ class PooledBorrow(_SettledAtOnce):
         single = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
         # The usual checkout (psycopg 3, idle, a pool of many): not in a transaction, so
         # not shared, and switched to autocommit, in one read of the connection.
-        previous = None if single or not backend.locks_on_server else claim_idle_autocommit(dbapi)
-        if previous is not None:
+        claimed = not single and backend.locks_on_server and _claim_autocommit(dbapi, info)
+        if claimed:
             self.shared = False
-            if not previous:
-                info[AUTOCOMMIT_INFO_KEY] = (False,)
         else:
             self.shared = single or driver_in_transaction(_driver(fairy)) is True
             if self.shared:
@@ -798,7 +804,7 @@ class PooledBorrow(_SettledAtOnce):
                     else executor_for(fairy, fairy.info)
                 )
             else:
-                if previous is None and backend.locks_on_server and not driver_autocommit(dbapi):
+                if not claimed and backend.locks_on_server and not driver_autocommit(dbapi):
                     info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
                 self.executor = executor_for(fairy, info)
             pooler = _declared_pooler(engine.get_execution_options())
@@ -1004,16 +1010,16 @@ class SessionPin:
         self._borrow: weakref.ref[PinnedBorrow] | None = None
         self._pinned = True
         single = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
-        claimed = None
-        if joined is None and not single and backend.locks_on_server:
-            # A checkout of its own from a pool of many (psycopg 3, idle): not shared, and
-            # switched to autocommit now, in one read, as its first lock statement would
-            # switch it (_AutocommitExecutor with persist).
-            claimed = claim_idle_autocommit(self.fairy.dbapi_connection)
-        if claimed is not None:
+        # A checkout of its own from a pool of many (psycopg 3, idle): not shared, and
+        # switched to autocommit now, in one read, as its first lock statement would
+        # switch it (_AutocommitExecutor with persist).
+        if (
+            joined is None
+            and not single
+            and backend.locks_on_server
+            and _claim_autocommit(self.fairy.dbapi_connection, self.fairy.info)
+        ):
             self.shared = False
-            if not claimed:
-                self.fairy.info[AUTOCOMMIT_INFO_KEY] = (False,)
         else:
             # As for PooledBorrow: a connection handed out inside a transaction is someone
             # else's too.
