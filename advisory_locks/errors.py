@@ -104,7 +104,9 @@ class LeaseTableMissing(AdvisoryLockError):
 class LockUsageError(AdvisoryLockError, RuntimeError):
     """The lock object was used in a way its contract forbids: released by a thread or
     task that does not hold it, shared between threads or tasks, released when not held,
-    or a sync lock used with ``async with`` (and the other way round)."""
+    a sync lock used with ``async with`` (and the other way round), or taken, released or
+    checked while its psycopg 3 connection is in pipeline mode (nothing is sent then, and
+    a refused release leaves the lock held, to be released after the pipeline)."""
 
 
 class UnsupportedDatabase(AdvisoryLockError):

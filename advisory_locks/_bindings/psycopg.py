@@ -25,6 +25,7 @@ from advisory_locks._bindings._raw import (
 )
 from advisory_locks._bindings.raw_lease import LeaseDriver
 from advisory_locks._core.dispatch import register_binding
+from advisory_locks._core.executors import pipeline_refusal
 from advisory_locks._core.steps import SCRIPT, VALUE, Statement, run_steps
 from advisory_locks._dialects import Backend
 
@@ -72,16 +73,21 @@ class PsycopgLockExecutor:
         self.session_driver = session_driver
 
     def execute(self, statement: Statement) -> object:
+        connection = self.connection
+        if connection._pipeline is not None:
+            raise pipeline_refusal()
         driver = self.session_driver
-        if driver is not None:
-            connection = self.connection
-            if connection.pgconn.transaction_status == IDLE and not connection.autocommit:
-                return execute_in_autocommit(driver, connection, self.execute, statement)
+        if (
+            driver is not None
+            and connection.pgconn.transaction_status == IDLE
+            and not connection.autocommit
+        ):
+            return execute_in_autocommit(driver, connection, self.execute, statement)
         try:
             with self._mutex:
                 cursor = self._cursor
                 if cursor is None:
-                    cursor = self._cursor = self.connection.cursor(row_factory=tuple_row)
+                    cursor = self._cursor = connection.cursor(row_factory=tuple_row)
                 kind = statement.kind
                 if kind == VALUE:
                     cursor.execute(statement.sql, statement.params)

@@ -22,6 +22,7 @@ from advisory_locks._bindings._raw import (
 )
 from advisory_locks._bindings.psycopg import OPEN_TRANSACTION
 from advisory_locks._core.dispatch import register_binding
+from advisory_locks._core.executors import pipeline_refusal
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, arun_steps
 from advisory_locks.errors import UnsupportedFeature
 
@@ -49,6 +50,8 @@ class AsyncPsycopgExecutor:
         self._busy = False
 
     async def execute(self, statement: Statement) -> object:
+        if self.connection._pipeline is not None:
+            raise pipeline_refusal()
         if self._busy:
             return await self._run(self.connection.cursor(row_factory=tuple_row), statement)
         cursor = self._cursor
@@ -98,6 +101,10 @@ class AsyncPsycopgDriver(AsyncRawDriver):
         return AsyncPsycopgExecutor(connection, scratch)
 
     async def aset_autocommit(self, connection: Any, value: bool) -> None:
+        if value and connection._pipeline is not None:
+            # Switched for a lock statement, which is refused in a pipeline (and psycopg
+            # would switch with a Sync in the middle of the application's pipeline).
+            raise pipeline_refusal()
         # No round trip: psycopg only checks that no transaction is open.
         await connection.set_autocommit(value)
 

@@ -81,6 +81,7 @@ from advisory_locks._core.executors import (
     claim_idle_autocommit,
     driver_autocommit,
     driver_in_transaction,
+    pipeline_refusal,
     restore_driver_autocommit,
     set_driver_autocommit,
 )
@@ -461,6 +462,8 @@ class AdaptedPsycopgExecutor:
         return self._executor.state
 
     def execute(self, statement: Statement) -> object:
+        if self._driver._pipeline is not None:
+            raise pipeline_refusal()
         if statement.kind == SCRIPT:
             await_only(self._driver.execute(statement.sql, prepare=False))
             return None

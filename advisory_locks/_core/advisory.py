@@ -34,6 +34,7 @@ from advisory_locks._core.contract import (
     validate_timeout,
 )
 from advisory_locks._core.events import EventSource, LockEvent
+from advisory_locks._core.executors import StatementRefused
 from advisory_locks._core.steps import (
     Settle,
     Steps,
@@ -271,6 +272,9 @@ class AdvisoryLock(LockContract):
                 released = perform(executor, self._release_steps(state))
             else:
                 released = bool(executor.execute(statement))
+        except StatementRefused:
+            self._hold_again(holding, borrowed)
+            raise
         except BaseException as error:
             run_steps(self._release_failed(holding, borrowed, error), site)
             return
@@ -540,6 +544,9 @@ class AdvisoryLock(LockContract):
                 released = await aperform(executor, self._release_steps(state))
             else:
                 released = bool(await executor.execute(statement))
+        except StatementRefused:
+            self._hold_again(holding, borrowed)
+            raise
         except BaseException as error:
             await arun_steps(self._release_failed(holding, borrowed, error), site)
             return
@@ -566,6 +573,16 @@ class AdvisoryLock(LockContract):
         self._holding = self._borrowed = None
         self._owner = None
         return holding, borrowed
+
+    def _hold_again(self, holding: Holding, borrowed: Borrowed) -> None:
+        """Undo ``_let_go``: the unlock was refused before anything was sent (a psycopg
+        pipeline), so the server still holds the lock, and this object for its caller."""
+        loop = asyncio._get_running_loop()
+        task = None if loop is None else asyncio.current_task(loop)
+        self._owner = (threading.get_ident(), 0 if task is None else id(task))
+        self._holding, self._borrowed = holding, borrowed
+        self._count = 1
+        holding.count += 1
 
     def _release_without_unlock(self, holding: Holding, borrowed: Borrowed) -> Steps[None]:
         """The end of a holding that sends no unlock (see the conditions in release())."""
@@ -796,7 +813,14 @@ class AdvisoryLockSet:
 
     def release(self) -> None:
         """Give every lock back, newest first; the first failure is raised after all ran."""
-        _release_all(self._give_back())
+        taken = self._give_back()
+        try:
+            _release_all(taken)
+        except BaseException:
+            # A lock whose unlock was refused unsent (StatementRefused) is still held,
+            # and so is the set, to be released again.
+            self._taken = [lock for lock in taken if lock.held]
+            raise
 
     def ensure_held(self) -> None:
         """[AdvisoryLock.ensure_held][advisory_locks.AdvisoryLock.ensure_held] for every lock of
@@ -912,7 +936,13 @@ class AsyncAdvisoryLockSet:
         if self._call is not None:
             await self._call(self._set.release)
         else:
-            await _arelease_all(self._set._give_back())
+            lock_set = self._set
+            taken = lock_set._give_back()
+            try:
+                await _arelease_all(taken)
+            except BaseException:
+                lock_set._taken = [lock for lock in taken if lock.held]
+                raise
 
     async def ensure_held(self) -> None:
         await self._run(self._set.ensure_held_steps())

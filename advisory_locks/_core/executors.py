@@ -16,14 +16,17 @@ from typing import Any, Final
 
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
 from advisory_locks._dialects.base import SERVER_VERSION_STATE
+from advisory_locks.errors import LockUsageError
 
 __all__ = [
     "DBAPIExecutor",
+    "StatementRefused",
     "claim_idle_autocommit",
     "detach_inherited_connection",
     "driver_autocommit",
     "driver_in_transaction",
     "from_psycopg3",
+    "pipeline_refusal",
     "protocol_session_id",
     "restore_driver_autocommit",
     "set_driver_autocommit",
@@ -34,6 +37,24 @@ PQTRANS_IDLE: Final = 0
 PQTRANS_UNKNOWN: Final = 4
 # MySQL's SERVER_STATUS_IN_TRANS flag in the status word of every OK packet.
 SERVER_STATUS_IN_TRANS: Final = 1
+
+
+class StatementRefused(LockUsageError):
+    """A lock statement refused by its executor before anything was sent, the lock's
+    state untouched: a release refused so leaves the lock held, to be released later."""
+
+
+PIPELINE_REFUSED: Final = (
+    "advisory locks are not taken, released or checked while this psycopg connection is "
+    "in pipeline mode: a lock statement must have its answer before the code it guards "
+    "runs, and a lock wait that failed would abort the statements queued with it. Take "
+    "the lock before `with conn.pipeline():` and release it after that block"
+)
+
+
+def pipeline_refusal() -> StatementRefused:
+    """The error for a lock statement on a psycopg 3 connection in pipeline mode."""
+    return StatementRefused(PIPELINE_REFUSED)
 
 
 class DBAPIExecutor:
@@ -48,7 +69,15 @@ class DBAPIExecutor:
     statement and its fetch. The cursor dies with its connection, as does this executor.
     """
 
-    __slots__ = ("_check_closed", "_cursor", "_mutex", "_script_options", "connection", "state")
+    __slots__ = (
+        "_check_closed",
+        "_cursor",
+        "_mutex",
+        "_pipelines",
+        "_script_options",
+        "connection",
+        "state",
+    )
 
     def __init__(self, connection: Any, state: dict[str, Any] | None = None) -> None:
         self.connection = connection
@@ -58,9 +87,10 @@ class DBAPIExecutor:
         # psycopg 3 prepares statements it sees often, and every statement with
         # prepare_threshold=0; a prepared statement holds one command, so a script
         # (several commands in one round trip) must never be prepared.
-        self._script_options: dict[str, Any] = (
-            {"prepare": False} if from_psycopg3(type(connection)) else {}
-        )
+        psycopg3 = from_psycopg3(type(connection))
+        self._script_options: dict[str, Any] = {"prepare": False} if psycopg3 else {}
+        # Whether the connection has psycopg 3's pipeline mode (see pipeline_refusal).
+        self._pipelines = psycopg3
         # Set for each new cursor: whether it is asked before each statement if it is
         # closed (see _closes_with_connection).
         self._check_closed = False
@@ -94,6 +124,8 @@ class DBAPIExecutor:
         return self.connection.cursor()
 
     def execute(self, statement: Statement) -> object:
+        if self._pipelines and self.connection._pipeline is not None:
+            raise pipeline_refusal()
         with self._mutex:
             try:
                 cursor = self._cursor
@@ -180,6 +212,8 @@ _PGCONN: Final = 8
 # psycopg 3's blocking Connection, whose autocommit switch can skip its wait loop (see
 # _switch_psycopg_autocommit).
 _PSYCOPG_BLOCKING: Final = 16
+# SQLAlchemy's asyncio adapter of a psycopg 3 AsyncConnection, which it keeps as _connection.
+_ADAPTED_PSYCOPG: Final = 32
 _kinds: dict[type, int] = {}
 
 
@@ -201,6 +235,10 @@ def _kind(connection: Any) -> int:
                 inspect.iscoroutinefunction(getattr(cls, "set_autocommit", None))
             ):
                 kind |= _PSYCOPG_BLOCKING
+        elif cls.__module__.startswith("sqlalchemy.") and from_psycopg3(
+            type(getattr(connection, "_connection", None))
+        ):
+            kind |= _ADAPTED_PSYCOPG
         _kinds[cls] = kind
     return kind
 
@@ -228,6 +266,10 @@ def set_driver_autocommit(dbapi_connection: Any, value: bool) -> object:
     """Switch the driver's autocommit mode; return what ``restore_driver_autocommit`` needs
     to put back exactly the mode the application had configured."""
     kind = _kind(dbapi_connection)
+    if value and kind & (_PGCONN | _ADAPTED_PSYCOPG) and _in_pipeline(dbapi_connection):
+        # Switched for a lock statement, which would be refused after a switch that
+        # psycopg makes with a Sync in the middle of the application's pipeline.
+        raise pipeline_refusal()
     if kind & _SQLITE3:
         previous = dbapi_connection.isolation_level  # "", "DEFERRED", "IMMEDIATE", ...
         dbapi_connection.isolation_level = None if value else (previous or "")
@@ -240,6 +282,19 @@ def set_driver_autocommit(dbapi_connection: Any, value: bool) -> object:
     else:
         dbapi_connection.autocommit = value
     return previous_mode
+
+
+def _in_pipeline(connection: Any) -> bool:
+    """Whether a psycopg 3 connection (or SQLAlchemy's adapter of an ``AsyncConnection``)
+    is in pipeline mode; False for every other driver."""
+    kind = _kinds.get(type(connection))
+    if kind is None:
+        kind = _kind(connection)
+    if kind & _PGCONN:
+        return connection._pipeline is not None
+    if kind & _ADAPTED_PSYCOPG:
+        return connection._connection._pipeline is not None
+    return False
 
 
 def restore_driver_autocommit(dbapi_connection: Any, previous: object) -> None:

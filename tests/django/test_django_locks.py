@@ -406,3 +406,27 @@ def test_an_unlock_a_failed_transaction_postponed_runs_at_the_next_lock(admin: A
     with advisory_lock(unique_name()):  # the next lock finishes the postponed unlock
         pass
     assert holders(admin, name) == []
+
+
+def test_lock_statements_in_a_psycopg_pipeline_are_refused_and_a_held_lock_stays(
+    admin: Admin,
+) -> None:
+    # A new connection: its first lock would ask the server what it is, also refused.
+    connection.close()
+    connection.ensure_connection()
+    driver = connection.connection
+    assert isinstance(driver, psycopg.Connection)
+    name = unique_name()
+    with driver.pipeline(), pytest.raises(LockUsageError, match="pipeline mode"):
+        advisory_lock(name, timeout=5.0).acquire()
+    assert holders(admin, name) == []
+    lock = advisory_lock(name)
+    lock.acquire()
+    with driver.pipeline():
+        with pytest.raises(LockUsageError, match="pipeline mode"):
+            lock.release()
+        with pytest.raises(LockUsageError, match="pipeline mode"):
+            advisory_lock(unique_name(), timeout=0).acquire()
+    assert holders(admin, name) == [server_pid()]
+    lock.release()
+    assert holders(admin, name) == []
