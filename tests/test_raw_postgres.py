@@ -30,6 +30,7 @@ from advisory_locks import (
     LockLost,
     LockNotAcquired,
     LockTimeout,
+    UnsupportedDatabase,
     UnsupportedFeature,
     advisory_lock,
     advisory_lock_set,
@@ -733,5 +734,38 @@ def test_a_psycopg2_connection_with_real_dict_cursors_locks_like_any_other(
         with advisory_lock(conn, name):
             assert holder_pids(pg_admin, name) == [conn.info.backend_pid]
         assert holder_pids(pg_admin, name) == []
+    finally:
+        conn.close()
+
+
+def test_a_psycopg2_asynchronous_connection_is_refused_before_anything_is_sent(
+    dsn: str, pg_admin: psycopg.Connection[TupleRow]
+) -> None:
+    # Its execute() returns before the server answers: a lock would read no answer (it
+    # failed with a bare IndexError before this refusal).
+    import select
+
+    import psycopg2.extensions
+
+    def wait(connection: Any) -> None:
+        while (state := connection.poll()) != psycopg2.extensions.POLL_OK:
+            if state == psycopg2.extensions.POLL_WRITE:
+                select.select([], [connection.fileno()], [], 10)
+            else:
+                select.select([connection.fileno()], [], [], 10)
+
+    name = unique_name()
+    conn = psycopg2.connect(dsn, async_=True)
+    try:
+        wait(conn)
+        for timeout in (0, None, 5.0):
+            with pytest.raises(UnsupportedDatabase, match="asynchronous connections"):
+                advisory_lock(conn, name, timeout=timeout).acquire()
+        assert holder_pids(pg_admin, name) == []
+        # Nothing was sent: the connection is ready for the application's next query.
+        cursor = conn.cursor()
+        cursor.execute("SELECT 42")
+        wait(conn)
+        assert cursor.fetchone() == (42,)
     finally:
         conn.close()

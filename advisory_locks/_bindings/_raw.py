@@ -263,6 +263,10 @@ class RawDriver:
         """Close a connection that must not be used again (its server session ends)."""
         bind.close()
 
+    def refuse(self, connection: Any) -> None:
+        """Raise, before a connection's first lock sends anything, where the driver made
+        it in a mode no lock can run on (asked once per connection)."""
+
     # The state of a connection, kept for exactly as long as the connection lives.
     def new_state(self, backend: Backend) -> RawConnectionState:
         return RawConnectionState(backend=backend)
@@ -390,6 +394,7 @@ def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnec
         with _states_mutex:
             state = driver.find_state(connection)
             if state is None:
+                driver.refuse(connection)
                 state = driver.new_state(backend)
                 state.driver = driver
                 state.epoch = driver.epoch(connection)

@@ -18,6 +18,7 @@ from advisory_locks._bindings._raw import (
 from advisory_locks._bindings.raw_lease import LeaseDriver
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.steps import run_steps
+from advisory_locks.errors import UnsupportedDatabase
 
 __all__ = ["Psycopg2Driver"]
 
@@ -43,6 +44,17 @@ class Psycopg2Driver(RawDriver):
 
     def set_autocommit(self, connection: Any, value: bool) -> None:
         connection.autocommit = value
+
+    def refuse(self, connection: Any) -> None:
+        if connection.async_:
+            # execute() returns before the server answers, and the caller polls: a lock
+            # statement would be read before its answer came.
+            raise UnsupportedDatabase(
+                "psycopg2's asynchronous connections (async_=True) cannot hold advisory "
+                "locks: the library reads each lock statement's answer before returning. "
+                "Use a blocking psycopg2 connection, "
+                "or psycopg 3's AsyncConnection or asyncpg for asyncio"
+            )
 
 
 _DRIVER = Psycopg2Driver()
