@@ -22,6 +22,7 @@ import pytest
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
+from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 
 from advisory_locks import (
@@ -36,10 +37,12 @@ from advisory_locks import (
     advisory_lock_set,
     current_advisory_locks,
     declare_pooler,
+    lease_lock,
 )
 from advisory_locks._core.executors import DBAPIExecutor
 from advisory_locks._core.steps import VALUE, Statement
 from advisory_locks.keys import LockName
+from advisory_locks.sqlalchemy import create_lease_table
 from tests.helpers import backend_alive, holder_pids, lock_rows, unique_name, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -769,3 +772,46 @@ def test_a_psycopg2_asynchronous_connection_is_refused_before_anything_is_sent(
         assert cursor.fetchone() == (42,)
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("autocommit", [True, False], ids=["autocommit", "transactional"])
+def test_a_psycopg_connection_with_raw_query_cursors_locks_like_any_other(
+    dsn: str, pg_admin: psycopg.Connection[TupleRow], autocommit: bool
+) -> None:
+    # A RawCursor takes $1 placeholders: the library's %s statements failed on it with
+    # the server's syntax error before its cursors stopped following cursor_factory.
+    name = unique_name()
+    with psycopg.connect(dsn, autocommit=autocommit, cursor_factory=psycopg.RawCursor) as conn:
+        pid = conn.info.backend_pid
+        for timeout in (0, None, 5.0):
+            with advisory_lock(conn, name, timeout=timeout) as lock:
+                lock.ensure_held()
+                assert current_advisory_locks(conn) == [name]
+                assert holder_pids(pg_admin, name) == [pid]
+            assert holder_pids(pg_admin, name) == []
+        if not autocommit:
+            with conn.transaction():
+                advisory_lock(conn, name, timeout=5.0, transaction=True).acquire()
+                assert holder_pids(pg_admin, name) == [pid]
+            assert holder_pids(pg_admin, name) == []
+        # The application's own cursors are still raw-query ones.
+        assert conn.execute("SELECT $1::int", [7]).fetchone() == (7,)
+
+
+def test_a_psycopg_pool_of_raw_query_cursor_connections_locks_like_any_other(
+    dsn: str, pg_admin: psycopg.Connection[TupleRow], pg_engine: Engine
+) -> None:
+    create_lease_table(pg_engine)  # if it is not there yet
+    name = unique_name()
+    with ConnectionPool(
+        dsn, min_size=1, max_size=1, kwargs={"cursor_factory": psycopg.RawCursor}, open=True
+    ) as pool:
+        for timeout in (0, None, 5.0):
+            with advisory_lock(pool, name, timeout=timeout) as lock:
+                lock.ensure_held()
+                assert len(holder_pids(pg_admin, name)) == 1
+            assert holder_pids(pg_admin, name) == []
+        # A lease's statements run on the pool's connections too.
+        with lease_lock(pool, name, ttl=30) as lease:
+            lease.ensure_held()
+            assert lease.token >= 1

@@ -682,3 +682,24 @@ def test_the_asyncio_binds_need_neither_sqlalchemy_nor_greenlet(dsn: str) -> Non
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("autocommit", [True, False], ids=["autocommit", "transactional"])
+async def test_an_async_psycopg_connection_with_raw_query_cursors_locks_like_any_other(
+    postgres_url: URL, pg_admin: Admin, autocommit: bool
+) -> None:
+    # An AsyncRawCursor takes $1 placeholders, where the library's statements have %s.
+    name = unique_name()
+    conn = await psycopg.AsyncConnection.connect(
+        libpq_url(postgres_url), autocommit=autocommit, cursor_factory=psycopg.AsyncRawCursor
+    )
+    try:
+        for timeout in (0, None, 5.0):
+            async with advisory_lock(conn, name, timeout=timeout) as lock:
+                await lock.ensure_held()
+                assert holder_pids(pg_admin, name) == [conn.info.backend_pid]
+            assert holder_pids(pg_admin, name) == []
+        cursor = await conn.execute("SELECT $1::int", [7])
+        assert await cursor.fetchone() == (7,)
+    finally:
+        await conn.close()

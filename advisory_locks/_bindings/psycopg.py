@@ -10,7 +10,6 @@ import threading
 from typing import Any
 
 from psycopg import Connection
-from psycopg.rows import tuple_row
 
 from advisory_locks._bindings import _psycopg_pool_compat
 from advisory_locks._bindings._psycopg_pool_compat import pool_of
@@ -25,7 +24,7 @@ from advisory_locks._bindings._raw import (
 )
 from advisory_locks._bindings.raw_lease import LeaseDriver
 from advisory_locks._core.dispatch import register_binding
-from advisory_locks._core.executors import pipeline_refusal
+from advisory_locks._core.executors import pipeline_refusal, psycopg_cursor
 from advisory_locks._core.steps import SCRIPT, VALUE, Statement, run_steps
 from advisory_locks._dialects import Backend
 
@@ -87,7 +86,7 @@ class PsycopgLockExecutor:
             with self._mutex:
                 cursor = self._cursor
                 if cursor is None:
-                    cursor = self._cursor = connection.cursor(row_factory=tuple_row)
+                    cursor = self._cursor = psycopg_cursor(connection)
                 kind = statement.kind
                 if kind == VALUE:
                     cursor.execute(statement.sql, statement.params)

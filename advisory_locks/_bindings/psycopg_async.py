@@ -9,7 +9,6 @@ import weakref
 from typing import Any
 
 from psycopg import AsyncConnection
-from psycopg.rows import tuple_row
 
 from advisory_locks._bindings import _psycopg_pool_compat
 from advisory_locks._bindings._psycopg_pool_compat import pool_of
@@ -22,7 +21,7 @@ from advisory_locks._bindings._raw import (
 )
 from advisory_locks._bindings.psycopg import OPEN_TRANSACTION
 from advisory_locks._core.dispatch import register_binding
-from advisory_locks._core.executors import pipeline_refusal
+from advisory_locks._core.executors import pipeline_refusal, psycopg_cursor
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, arun_steps
 from advisory_locks.errors import UnsupportedFeature
 
@@ -53,10 +52,10 @@ class AsyncPsycopgExecutor:
         if self.connection._pipeline is not None:
             raise pipeline_refusal()
         if self._busy:
-            return await self._run(self.connection.cursor(row_factory=tuple_row), statement)
+            return await self._run(psycopg_cursor(self.connection), statement)
         cursor = self._cursor
         if cursor is None or cursor.closed:
-            cursor = self._cursor = self.connection.cursor(row_factory=tuple_row)
+            cursor = self._cursor = psycopg_cursor(self.connection)
         self._busy = True
         try:
             return await self._run(cursor, statement)

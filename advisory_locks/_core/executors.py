@@ -28,6 +28,7 @@ __all__ = [
     "from_psycopg3",
     "pipeline_refusal",
     "protocol_session_id",
+    "psycopg_cursor",
     "restore_driver_autocommit",
     "set_driver_autocommit",
 ]
@@ -118,9 +119,7 @@ class DBAPIExecutor:
                 return self.connection.cursor(cursor_factory=psycopg2.extensions.cursor)
             return self.connection.cursor()
         if from_psycopg3(type(self.connection)):
-            from psycopg.rows import tuple_row
-
-            return self.connection.cursor(row_factory=tuple_row)
+            return psycopg_cursor(self.connection)
         return self.connection.cursor()
 
     def execute(self, statement: Statement) -> object:
@@ -159,6 +158,28 @@ class DBAPIExecutor:
     def failed(self) -> None:
         """Called inside the ``except`` block of a statement that raised, before the
         error propagates: a binding may raise its framework's error in its place."""
+
+
+def psycopg_cursor(connection: Any) -> Any:
+    """A cursor on a psycopg 3 connection (blocking or asyncio) that returns rows as tuples
+    and takes ``%s`` placeholders, whatever ``row_factory`` and ``cursor_factory`` the
+    application gave the connection. A raw-query cursor (``RawCursor``, psycopg >= 3.2)
+    takes ``$1`` placeholders instead, so psycopg's own cursor class stands in for it;
+    any other factory (``ClientCursor``, one that logs or traces) stays in use."""
+    from psycopg.rows import tuple_row
+
+    try:
+        from psycopg.raw_cursor import RawCursorMixin
+    except ImportError:  # psycopg < 3.2 has no raw-query cursors
+        return connection.cursor(row_factory=tuple_row)
+    factory = getattr(connection, "cursor_factory", None)
+    if isinstance(factory, type) and issubclass(factory, RawCursorMixin):
+        import psycopg
+
+        if isinstance(connection, psycopg.AsyncConnection):
+            return psycopg.AsyncCursor(connection, row_factory=tuple_row)
+        return psycopg.Cursor(connection, row_factory=tuple_row)
+    return connection.cursor(row_factory=tuple_row)
 
 
 def _closes_with_connection(cursor: Any) -> bool:
