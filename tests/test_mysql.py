@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
 
-from advisory_locks import LockDeadlock, LockLost, UnsupportedFeature, advisory_lock
+from advisory_locks import LockDeadlock, LockLost, LockTimeout, UnsupportedFeature, advisory_lock
 from advisory_locks._core.executors import DBAPIExecutor, protocol_session_id
 from advisory_locks._core.steps import on, run_steps
 from advisory_locks._dialects import backend_for_dialect
@@ -272,6 +272,85 @@ def test_a_busy_lock_inside_a_transaction_leaves_the_transaction_usable(
         connection.begin(),
     ):
         assert advisory_lock(connection, name, timeout=0).acquire() is False
+        assert connection.execute(text("SELECT 1")).scalar_one() == 1
+
+
+def _statement_time_limit(engine: Engine) -> str:
+    """The statement that limits this session's statements to 0.3 s on this server."""
+    with engine.connect() as connection:
+        version = connection.execute(text("SELECT VERSION()")).scalar_one()
+    if "mariadb" in str(version).lower():
+        return "SET SESSION max_statement_time = 0.3"
+    return "SET SESSION max_execution_time = 300"
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0], ids=["no-timeout", "timeout"])
+def test_a_wait_cut_by_the_sessions_statement_time_limit_is_a_lock_timeout(
+    mysql_engine: Engine, mysql_url: URL, timeout: float | None
+) -> None:
+    # GET_LOCK answers NULL when interrupted; the library said AdvisoryLockError, where
+    # PostgreSQL's statement_timeout is a LockTimeout.
+    limited = create_engine(
+        mysql_url, connect_args={"init_command": _statement_time_limit(mysql_engine)}
+    )
+    name = unique_name("time-limit")
+    try:
+        with (
+            mysql_engine.connect() as holder,
+            advisory_lock(holder, name),
+            limited.connect() as connection,
+        ):
+            lock = advisory_lock(connection, name, timeout=timeout)
+            with pytest.raises(LockTimeout, match="interrupted"):
+                lock.acquire()
+            assert not lock.held
+            assert _admin_value(
+                mysql_url, "SELECT IS_USED_LOCK(%s)", server_lock_name(derive_key(name))
+            ) == protocol_session_id(holder.connection.driver_connection)
+            assert connection.execute(text("SELECT 1")).scalar_one() == 1
+    finally:
+        limited.dispose()
+
+
+def test_a_wait_ended_by_kill_query_is_a_lock_timeout(mysql_engine: Engine, mysql_url: URL) -> None:
+    name = unique_name("killed")
+    outcome: list[BaseException | bool] = []
+    with (
+        mysql_engine.connect() as holder,
+        advisory_lock(holder, name),
+        mysql_engine.connect() as connection,
+    ):
+        waiter = protocol_session_id(connection.connection.driver_connection)
+
+        def wait() -> None:
+            try:
+                outcome.append(advisory_lock(connection, name).acquire())
+            except BaseException as error:  # handed to the test's thread
+                outcome.append(error)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        wait_for(
+            lambda: (
+                _admin_value(
+                    mysql_url,
+                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                    "WHERE ID = %s AND INFO LIKE 'SELECT GET_LOCK%%'",
+                    waiter,
+                )
+                == 1
+            ),
+            "the waiter in GET_LOCK",
+        )
+        admin = pymysql_connect(mysql_url)  # a DBA's session
+        try:
+            with admin.cursor() as cursor:
+                cursor.execute(f"KILL QUERY {int(waiter)}")
+        finally:
+            admin.close()
+        thread.join(10)
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], LockTimeout), outcome
         assert connection.execute(text("SELECT 1")).scalar_one() == 1
 
 

@@ -29,7 +29,6 @@ from advisory_locks._dialects.base import (
     StatementSteps,
 )
 from advisory_locks.errors import (
-    AdvisoryLockError,
     LockDeadlock,
     LockTimeout,
     UnsupportedDatabase,
@@ -206,14 +205,18 @@ class MySQLBackend:
                 ) from error
             raise
         if granted is None:
-            # NULL: the wait ended in an error the server did not raise (killed query).
+            # NULL: the wait was interrupted without an error (a KILL QUERY, or the
+            # session's statement time limit), and the lock was not granted. Reported as
+            # PostgreSQL's statement_timeout and cancel requests are.
             cancelled = state.get(WAIT_CANCELLED_STATE)
             if cancelled is not None and cancelled.is_set():
                 raise LockTimeout(
                     f"waiting for named lock {key.name!r} was canceled", name=key.name
                 )
-            raise AdvisoryLockError(
-                f"GET_LOCK for {key.name!r} returned NULL: the wait was interrupted"
+            raise LockTimeout(
+                f"waiting for named lock {key.name!r} was interrupted (the session's "
+                "max_statement_time or max_execution_time, or a KILL QUERY)",
+                name=key.name,
             )
         return bool(granted)
 
