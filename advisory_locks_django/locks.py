@@ -29,6 +29,7 @@ from advisory_locks._core.contract import (
     lock_options,
     not_acquired_error,
 )
+from advisory_locks._core.executors import StatementRefused
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockLost,
@@ -314,6 +315,11 @@ class DjangoAdvisoryLock:
                 and holding not in locks.pending_release
             ):
                 locks.released(holding, "unlock")
+        except StatementRefused:
+            # Refused unsent (a psycopg pipeline): still held, by the server and the
+            # core lock, to be released again.
+            self._held.append((locks, holding, atomic))
+            raise
         except BaseException as error:
             if atomic is not None:
                 atomic.__exit__(type(error), error, error.__traceback__)

@@ -13,6 +13,7 @@ pg_locks, read over a separate admin connection, is the witness.
 from __future__ import annotations
 
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +24,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -252,6 +254,10 @@ def test_sqlalchemy_connection_lock_in_a_pipeline_is_refused(
             connection.execute(text("SELECT 1"))
         driver = connection.connection.driver_connection
         assert isinstance(driver, psycopg.Connection)
+        # Past the connection's first lock (its server check), so that the refusals
+        # below are of the lock statements themselves.
+        with advisory_lock(connection, unique_name(), timeout=5.0):
+            pass
         refused_in_pipeline(driver, connection, pg_admin, **options)
         # Still in the transaction it was in, with nothing of the lock in it.
         assert connection.in_transaction() is in_transaction
@@ -286,6 +292,8 @@ def test_sqlalchemy_session_lock_and_release_in_a_pipeline_are_refused(
         session.execute(text("SELECT 1"))
         driver = session.connection().connection.driver_connection
         assert isinstance(driver, psycopg.Connection)
+        with advisory_lock(session, unique_name(), timeout=5.0):
+            pass
         refused_in_pipeline(driver, session, pg_admin, timeout=5.0)
         lock = advisory_lock(session, name)
         lock.acquire()
@@ -324,4 +332,78 @@ async def test_sqlalchemy_async_connection_lock_in_a_pipeline_is_refused(
                 await lock.release()
         assert holder_pids(pg_admin, name) == [driver.info.backend_pid]
         await lock.release()
+        assert holder_pids(pg_admin, name) == []
+
+
+def postpone_an_unlock(conn: psycopg.Connection[Any], bind: Any, name: str) -> None:
+    """Take ``name`` and release it inside a failed transaction, which postpones the
+    unlock until that transaction has ended (rolled back here, or by the caller)."""
+    lock = advisory_lock(bind, name)
+    lock.acquire()
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        conn.execute("SELECT 1/0")
+    lock.release()
+
+
+def test_raw_unlocks_postponed_by_a_failed_transaction_survive_a_refusal(
+    postgres_url: URL, pg_admin: Admin
+) -> None:
+    name = unique_name()
+    with psycopg.connect(libpq_url(postgres_url)) as raw:
+        postpone_an_unlock(raw, raw, name)
+        raw.rollback()
+        with raw.pipeline(), pytest.raises(LockUsageError, match="pipeline mode"):
+            # The next lock would finish the postponed unlock first: refused, unsent.
+            advisory_lock(raw, unique_name()).acquire()
+        assert holder_pids(pg_admin, name) == [raw.info.backend_pid]
+        with advisory_lock(raw, unique_name()):  # outside the pipeline it runs
+            assert holder_pids(pg_admin, name) == []
+
+
+def test_sqlalchemy_unlocks_postponed_by_a_failed_transaction_survive_a_refusal(
+    engine: Engine, pg_admin: Admin
+) -> None:
+    name = unique_name()
+    with engine.connect() as connection:
+        driver = connection.connection.driver_connection
+        assert isinstance(driver, psycopg.Connection)
+        postpone = advisory_lock(connection, name)
+        postpone.acquire()
+        connection.begin()
+        with pytest.raises(DBAPIError):
+            connection.execute(text("SELECT 1/0"))
+        postpone.release()
+        with driver.pipeline():
+            # SQLAlchemy's rollback hook would unlock now: refused unsent, kept for later.
+            connection.rollback()
+        assert holder_pids(pg_admin, name) == [driver.info.backend_pid]
+    # The pool's check-in unlocked it when the Connection went back.
+    assert holder_pids(pg_admin, name) == []
+
+
+def test_a_release_refused_for_another_thread_leaves_the_lock_its_holders(
+    postgres_url: URL, pg_admin: Admin
+) -> None:
+    name = unique_name()
+    with psycopg.connect(libpq_url(postgres_url), autocommit=True) as raw:
+        lock = advisory_lock(raw, name)
+        lock.acquire()
+        refused: list[BaseException] = []
+
+        def release_in_a_pipeline() -> None:
+            with raw.pipeline():
+                try:
+                    lock.release()
+                except LockUsageError as error:
+                    refused.append(error)
+
+        worker = threading.Thread(target=release_in_a_pipeline)
+        worker.start()
+        worker.join(10)
+        assert len(refused) == 1
+        # Still this thread's: taking it again counts in, as before the refused release.
+        assert lock.acquire()
+        lock.release()
+        assert holder_pids(pg_admin, name) == [raw.info.backend_pid]
+        lock.release()
         assert holder_pids(pg_admin, name) == []

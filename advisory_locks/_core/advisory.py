@@ -256,6 +256,7 @@ class AdvisoryLock(LockContract):
     def release(self) -> None:
         """Give the lock back (a transaction lock stays with its transaction)."""
         # arelease() is the same rules, awaited.
+        owner = self._owner  # put back if the unlock is refused unsent
         let_go = self._let_go()
         if let_go is None:
             return
@@ -273,7 +274,7 @@ class AdvisoryLock(LockContract):
             else:
                 released = bool(executor.execute(statement))
         except StatementRefused:
-            self._hold_again(holding, borrowed)
+            self._hold_again(holding, borrowed, owner)
             raise
         except BaseException as error:
             run_steps(self._release_failed(holding, borrowed, error), site)
@@ -528,6 +529,7 @@ class AdvisoryLock(LockContract):
 
     async def arelease(self) -> None:
         """``release()`` on a site whose connections are awaited (see ``aacquire``)."""
+        owner = self._owner  # put back if the unlock is refused unsent
         let_go = self._let_go()
         if let_go is None:
             return
@@ -545,7 +547,7 @@ class AdvisoryLock(LockContract):
             else:
                 released = bool(await executor.execute(statement))
         except StatementRefused:
-            self._hold_again(holding, borrowed)
+            self._hold_again(holding, borrowed, owner)
             raise
         except BaseException as error:
             await arun_steps(self._release_failed(holding, borrowed, error), site)
@@ -574,12 +576,12 @@ class AdvisoryLock(LockContract):
         self._owner = None
         return holding, borrowed
 
-    def _hold_again(self, holding: Holding, borrowed: Borrowed) -> None:
+    def _hold_again(
+        self, holding: Holding, borrowed: Borrowed, owner: tuple[int, int] | None
+    ) -> None:
         """Undo ``_let_go``: the unlock was refused before anything was sent (a psycopg
-        pipeline), so the server still holds the lock, and this object for its caller."""
-        loop = asyncio._get_running_loop()
-        task = None if loop is None else asyncio.current_task(loop)
-        self._owner = (threading.get_ident(), 0 if task is None else id(task))
+        pipeline), so the server still holds the lock, and this object for its owner."""
+        self._owner = owner
         self._holding, self._borrowed = holding, borrowed
         self._count = 1
         holding.count += 1

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from advisory_locks._core import events
 from advisory_locks._core.events import EventSource, LockEvent
-from advisory_locks._core.executors import protocol_session_id
+from advisory_locks._core.executors import StatementRefused, protocol_session_id
 from advisory_locks._core.steps import Executor, Statement, Steps, on
 from advisory_locks._dialects.base import SERVER_SESSION_STATE, WAIT_CANCELLED_STATE
 from advisory_locks.errors import LockUsageError, UnsupportedFeature
@@ -364,10 +364,16 @@ def finish_pending_releases(state: ConnectionState, executor: object) -> Steps[l
     backend = state.backend
     if backend is None or state.inherited:
         return []
-    for holding in holdings:
-        yield from on(
-            executor, backend.release(state.driver_state, holding.key, shared=holding.shared)
-        )
+    for done, holding in enumerate(holdings):
+        try:
+            yield from on(
+                executor, backend.release(state.driver_state, holding.key, shared=holding.shared)
+            )
+        except StatementRefused:
+            # Refused unsent (a psycopg pipeline): the server still holds these, so they
+            # stay postponed, for the next lock or transaction end on the connection.
+            state.pending_release[:0] = holdings[done:]
+            return holdings[:done]
         report_end(holding, "unlock")
     return holdings
 

@@ -430,3 +430,27 @@ def test_lock_statements_in_a_psycopg_pipeline_are_refused_and_a_held_lock_stays
     assert holders(admin, name) == [server_pid()]
     lock.release()
     assert holders(admin, name) == []
+
+
+def test_an_unlock_postponed_by_a_failed_transaction_survives_a_refusal_in_a_pipeline(
+    admin: Admin,
+) -> None:
+    from django.db import DatabaseError
+
+    name = unique_name()
+    with advisory_lock(unique_name()):
+        pass
+    lock = advisory_lock(name)
+    assert lock.acquire()
+    with transaction.atomic():
+        with pytest.raises(DatabaseError), connection.cursor() as cursor:
+            cursor.execute("SELECT 1/0")
+        lock.release()  # postponed until the transaction has ended
+        transaction.set_rollback(True)
+    driver = connection.connection
+    assert isinstance(driver, psycopg.Connection)
+    with driver.pipeline(), pytest.raises(LockUsageError, match="pipeline mode"):
+        advisory_lock(unique_name()).acquire()
+    assert holders(admin, name) == [server_pid()]
+    with advisory_lock(unique_name()):  # outside the pipeline the unlock runs first
+        assert holders(admin, name) == []
