@@ -758,12 +758,19 @@ def test_a_psycopg2_asynchronous_connection_is_refused_before_anything_is_sent(
                 select.select([connection.fileno()], [], [], 10)
 
     name = unique_name()
+    # A lease's own connections (connect=) are refused the same way.
+    with psycopg2.connect(dsn) as blocking:
+        lease = lease_lock(blocking, name, connect=lambda: psycopg2.connect(dsn, async_=True))
+        with pytest.raises(UnsupportedDatabase, match="asynchronous connections"):
+            lease.acquire()
     conn = psycopg2.connect(dsn, async_=True)
     try:
         wait(conn)
         for timeout in (0, None, 5.0):
             with pytest.raises(UnsupportedDatabase, match="asynchronous connections"):
                 advisory_lock(conn, name, timeout=timeout).acquire()
+        with pytest.raises(UnsupportedDatabase, match="asynchronous connections"):
+            lease_lock(conn, name, connect=lambda: psycopg2.connect(dsn))
         assert holder_pids(pg_admin, name) == []
         # Nothing was sent: the connection is ready for the application's next query.
         cursor = conn.cursor()

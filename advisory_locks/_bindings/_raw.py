@@ -1002,6 +1002,8 @@ class RawBinding:
             )
         from advisory_locks._bindings import raw_lease
 
+        if not self._is_pool(bind):
+            self.driver.refuse(bind)
         if self.is_async:
             return raw_lease.async_lease_site(self._lease, bind, connect)
         return raw_lease.lease_site(self._lease, bind, connect)

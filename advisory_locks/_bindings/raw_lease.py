@@ -355,6 +355,7 @@ class RawLeaseSite:
         if connection is None:
             connection = self.driver.open_like(self._pool)
         try:
+            self.driver.raw.refuse(connection)
             if not driver_autocommit(connection):
                 set_driver_autocommit(connection, True)
         except BaseException:
