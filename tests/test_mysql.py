@@ -276,12 +276,14 @@ def test_a_busy_lock_inside_a_transaction_leaves_the_transaction_usable(
 
 
 def _statement_time_limit(engine: Engine) -> str:
-    """The statement that limits this session's statements to 0.3 s on this server."""
+    """The statement that limits this session's statements to 0.3 s (MariaDB's)."""
     with engine.connect() as connection:
         version = connection.execute(text("SELECT VERSION()")).scalar_one()
-    if "mariadb" in str(version).lower():
-        return "SET SESSION max_statement_time = 0.3"
-    return "SET SESSION max_execution_time = 300"
+    if "mariadb" not in str(version).lower():
+        # MySQL's max_execution_time may end GET_LOCK with an error rather than NULL;
+        # not verified, as no MySQL server runs where this suite was written.
+        pytest.skip("max_statement_time is MariaDB's")
+    return "SET SESSION max_statement_time = 0.3"
 
 
 @pytest.mark.parametrize("timeout", [None, 5.0], ids=["no-timeout", "timeout"])

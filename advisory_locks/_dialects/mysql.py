@@ -205,17 +205,17 @@ class MySQLBackend:
                 ) from error
             raise
         if granted is None:
-            # NULL: the wait was interrupted without an error (a KILL QUERY, or the
-            # session's statement time limit), and the lock was not granted. Reported as
-            # PostgreSQL's statement_timeout and cancel requests are.
+            # NULL: the wait was interrupted without an error (a KILL QUERY, or MariaDB's
+            # max_statement_time), and the lock was not granted. Reported as PostgreSQL's
+            # statement_timeout and cancel requests are.
             cancelled = state.get(WAIT_CANCELLED_STATE)
             if cancelled is not None and cancelled.is_set():
                 raise LockTimeout(
                     f"waiting for named lock {key.name!r} was canceled", name=key.name
                 )
             raise LockTimeout(
-                f"waiting for named lock {key.name!r} was interrupted (the session's "
-                "max_statement_time or max_execution_time, or a KILL QUERY)",
+                f"waiting for named lock {key.name!r} was interrupted (MariaDB's "
+                "max_statement_time, or a KILL QUERY)",
                 name=key.name,
             )
         return bool(granted)
