@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -46,17 +46,24 @@ ACQUIRE_OPTIONS = [
 ]
 
 
+def acquire_cases(without: tuple[bool, str], within: tuple[bool, str]) -> list[Any]:
+    """(flag, options) cases, each a (flag, id prefix) pair: where no transaction is open
+    (``without``) every option but the transaction lock, which needs one; where one is
+    (``within``) every option."""
+    return [
+        pytest.param(flag, *option.values, id=f"{label}-{option.id}")
+        for (flag, label), options in (
+            (without, [o for o in ACQUIRE_OPTIONS if "transaction" not in o.values[0]]),
+            (within, ACQUIRE_OPTIONS),
+        )
+        for option in options
+    ]
+
+
 @pytest.fixture(params=[True, False], ids=["autocommit", "transactional"])
 def raw(request: pytest.FixtureRequest, postgres_url: URL) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(libpq_url(postgres_url), autocommit=request.param) as connection:
         yield connection
-
-
-@pytest.fixture
-def engine(postgres_url: URL) -> Iterator[Engine]:
-    engine = create_engine(postgres_url)
-    yield engine
-    engine.dispose()
 
 
 @contextmanager
@@ -99,17 +106,7 @@ def refused_in_pipeline(
 
 
 @pytest.mark.parametrize(
-    ("autocommit", "options"),
-    [
-        *[
-            pytest.param(True, *option.values, id=f"autocommit-{option.id}")
-            for option in ACQUIRE_OPTIONS[:3]
-        ],
-        *[
-            pytest.param(False, *option.values, id=f"transactional-{option.id}")
-            for option in ACQUIRE_OPTIONS
-        ],
-    ],
+    ("autocommit", "options"), acquire_cases((True, "autocommit"), (False, "transactional"))
 )
 def test_raw_acquire_in_a_pipeline_is_refused_before_anything_is_sent(
     postgres_url: URL, pg_admin: Admin, autocommit: bool, options: dict[str, Any]
@@ -231,24 +228,14 @@ async def test_raw_async_lock_statements_in_a_pipeline_are_refused(
 
 
 @pytest.mark.parametrize(
-    ("in_transaction", "options"),
-    [
-        *[
-            pytest.param(False, *option.values, id=f"outside-{option.id}")
-            for option in ACQUIRE_OPTIONS[:3]
-        ],
-        *[
-            pytest.param(True, *option.values, id=f"begun-{option.id}")
-            for option in ACQUIRE_OPTIONS
-        ],
-    ],
+    ("in_transaction", "options"), acquire_cases((False, "outside"), (True, "begun"))
 )
 def test_sqlalchemy_connection_lock_in_a_pipeline_is_refused(
-    engine: Engine, pg_admin: Admin, options: dict[str, Any], in_transaction: bool
+    pg_engine: Engine, pg_admin: Admin, options: dict[str, Any], in_transaction: bool
 ) -> None:
     # (A transaction lock outside a transaction begins one: the statement is refused
     # first, but the Connection would be left in the transaction it began.)
-    with engine.connect() as connection:
+    with pg_engine.connect() as connection:
         if in_transaction:
             connection.begin()
             connection.execute(text("SELECT 1"))
@@ -264,10 +251,10 @@ def test_sqlalchemy_connection_lock_in_a_pipeline_is_refused(
 
 
 def test_sqlalchemy_connection_release_in_a_pipeline_is_refused(
-    engine: Engine, pg_admin: Admin
+    pg_engine: Engine, pg_admin: Admin
 ) -> None:
     name = unique_name()
-    with engine.connect() as connection:
+    with pg_engine.connect() as connection:
         driver = connection.connection.driver_connection
         assert isinstance(driver, psycopg.Connection)
         lock = advisory_lock(connection, name)
@@ -285,10 +272,10 @@ def test_sqlalchemy_connection_release_in_a_pipeline_is_refused(
 
 
 def test_sqlalchemy_session_lock_and_release_in_a_pipeline_are_refused(
-    engine: Engine, pg_admin: Admin
+    pg_engine: Engine, pg_admin: Admin
 ) -> None:
     name = unique_name()
-    with Session(engine) as session:
+    with Session(pg_engine) as session:
         session.execute(text("SELECT 1"))
         driver = session.connection().connection.driver_connection
         assert isinstance(driver, psycopg.Connection)
@@ -361,10 +348,10 @@ def test_raw_unlocks_postponed_by_a_failed_transaction_survive_a_refusal(
 
 
 def test_sqlalchemy_unlocks_postponed_by_a_failed_transaction_survive_a_refusal(
-    engine: Engine, pg_admin: Admin
+    pg_engine: Engine, pg_admin: Admin
 ) -> None:
     name = unique_name()
-    with engine.connect() as connection:
+    with pg_engine.connect() as connection:
         driver = connection.connection.driver_connection
         assert isinstance(driver, psycopg.Connection)
         postpone = advisory_lock(connection, name)

@@ -389,10 +389,11 @@ def test_a_session_lock_inside_atomic_after_the_connections_first_lock_leaves_it
         holder.get()
 
 
-def test_an_unlock_a_failed_transaction_postponed_runs_at_the_next_lock(admin: Admin) -> None:
+def postpone_an_unlock(admin: Admin, name: str) -> None:
+    """Take ``name`` and release it inside a transaction that failed, where no unlock can
+    run: the unlock is postponed until the transaction has ended (rolled back here)."""
     from django.db import DatabaseError
 
-    name = unique_name()
     with advisory_lock(unique_name()):
         pass
     lock = advisory_lock(name)
@@ -403,6 +404,11 @@ def test_an_unlock_a_failed_transaction_postponed_runs_at_the_next_lock(admin: A
         lock.release()
         assert holders(admin, name) == [server_pid()]
         transaction.set_rollback(True)
+
+
+def test_an_unlock_a_failed_transaction_postponed_runs_at_the_next_lock(admin: Admin) -> None:
+    name = unique_name()
+    postpone_an_unlock(admin, name)
     with advisory_lock(unique_name()):  # the next lock finishes the postponed unlock
         pass
     assert holders(admin, name) == []
@@ -435,18 +441,8 @@ def test_lock_statements_in_a_psycopg_pipeline_are_refused_and_a_held_lock_stays
 def test_an_unlock_postponed_by_a_failed_transaction_survives_a_refusal_in_a_pipeline(
     admin: Admin,
 ) -> None:
-    from django.db import DatabaseError
-
     name = unique_name()
-    with advisory_lock(unique_name()):
-        pass
-    lock = advisory_lock(name)
-    assert lock.acquire()
-    with transaction.atomic():
-        with pytest.raises(DatabaseError), connection.cursor() as cursor:
-            cursor.execute("SELECT 1/0")
-        lock.release()  # postponed until the transaction has ended
-        transaction.set_rollback(True)
+    postpone_an_unlock(admin, name)
     driver = connection.connection
     assert isinstance(driver, psycopg.Connection)
     with driver.pipeline(), pytest.raises(LockUsageError, match="pipeline mode"):
