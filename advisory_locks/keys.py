@@ -241,7 +241,7 @@ def _environment() -> tuple[str | None, str | None]:
     global _reader
     environ = os.environ
     reader = _reader
-    if reader is None or reader[0] is not environ:
+    if reader[0] is not environ:
         data = getattr(environ, "_data", None)
         encode = getattr(environ, "encodekey", None)
         decode = getattr(environ, "decodevalue", None)
@@ -249,11 +249,9 @@ def _environment() -> tuple[str | None, str | None]:
             return environ.get(PREFIX_ENV), environ.get(SCHEME_ENV)
         reader = _reader = (environ, data, encode(PREFIX_ENV), encode(SCHEME_ENV), decode)
     data = reader[1]
-    prefix = data.get(reader[2])
-    scheme = data.get(reader[3])
-    if prefix is None and scheme is None:  # the usual answer: neither is set
+    if reader[2] not in data and reader[3] not in data:  # the usual answer: neither is set
         return _UNSET
-    decode = reader[4]
+    prefix, scheme, decode = data.get(reader[2]), data.get(reader[3]), reader[4]
     return (
         None if prefix is None else decode(prefix),
         None if scheme is None else decode(scheme),
@@ -263,8 +261,15 @@ def _environment() -> tuple[str | None, str | None]:
 _UNSET: Final = (None, None)
 
 
-# (the os.environ read, its _data, the two encoded names, decodevalue), for _environment
-_reader: tuple[object, dict[object, object], object, object, Callable[..., str]] | None = None
+# (the os.environ read, its _data, the two encoded names, decodevalue), for _environment;
+# no mapping is ever the first, so the first read fills it.
+_reader: tuple[object, dict[object, object], object, object, Callable[..., str]] = (
+    None,
+    {},
+    None,
+    None,
+    str,
+)
 
 
 def _validate_pair(name: tuple[object, ...]) -> tuple[int, int]:
