@@ -187,13 +187,17 @@ class ConnectionState:
 
     def find(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding | None:
         backend = self.backend  # _entry(), written out: asked on every acquire
-        identity = key.ints if backend is None else backend.lock_identity(key)
+        identity = (
+            key.ints if backend is None or backend.locks_by_ints else backend.lock_identity(key)
+        )
         holding = self.holdings.get((identity, shared, transaction))
         return holding if holding is not None and holding.active else None
 
     def add(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding:
         backend = self.backend  # _entry(), written out: run on every grant
-        identity = key.ints if backend is None else backend.lock_identity(key)
+        identity = (
+            key.ints if backend is None or backend.locks_by_ints else backend.lock_identity(key)
+        )
         entry = (identity, shared, transaction)
         with self.mutex:
             holding = Holding(key, shared, transaction, depth=len(self.savepoints), entry=entry)

@@ -57,6 +57,9 @@ class Backend(Protocol):
     # False where the locks are held by this process (SQLite's file locks): then taking
     # one sends no statement that could disturb the caller's transaction.
     locks_on_server: bool
+    # True where ``lock_identity(key)`` is ``key.ints``, which a lock's bookkeeping then
+    # reads without the call.
+    locks_by_ints: bool
 
     def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
         """Raise before any SQL when this database cannot honour the options."""

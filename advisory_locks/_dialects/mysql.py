@@ -159,6 +159,7 @@ class MySQLBackend:
 
     dialect_name = "mysql"
     locks_on_server = True
+    locks_by_ints = False  # GET_LOCK names (see lock_identity)
 
     def system_name(self, state: dict[str, Any]) -> str:
         mariadb = state.get(MARIADB_STATE)

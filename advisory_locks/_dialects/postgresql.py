@@ -101,6 +101,7 @@ class PostgresBackend:
 
     dialect_name = "postgresql"
     locks_on_server = True
+    locks_by_ints = True
 
     def system_name(self, state: dict[str, Any]) -> str:
         return "postgresql"

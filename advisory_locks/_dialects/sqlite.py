@@ -66,6 +66,7 @@ class SQLiteBackend:
 
     dialect_name = "sqlite"
     locks_on_server = False
+    locks_by_ints = True
 
     def system_name(self, state: dict[str, Any]) -> str:
         return "sqlite"
