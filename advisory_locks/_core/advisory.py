@@ -243,7 +243,12 @@ class AdvisoryLock(LockContract):
                 if not granted:
                     run_steps(self._refused(started, borrowed), site)
                     return False
-                holding = self._granted(started, state)
+                # self._granted(started, state), without the call
+                holding = state.add(
+                    self.key_info, shared=options.shared, transaction=options.transaction
+                )
+                if started is not None and events.listeners:
+                    report_grant(holding, self._source(state), time.monotonic() - started)
             holding.count += 1
             self._count = 1
             self._borrowed = borrowed
@@ -255,14 +260,20 @@ class AdvisoryLock(LockContract):
 
     def release(self) -> None:
         """Give the lock back (a transaction lock stays with its transaction)."""
-        # arelease() is the same rules, awaited.
-        owner = self._owner  # put back if the unlock is refused unsent
-        let_go = self._let_go()
-        if let_go is None:
-            return
-        holding, borrowed = let_go
-        site = self._site
+        # arelease() is the same rules, awaited; the first part is _let_go(), written out.
+        holding, borrowed = self._holding, self._borrowed
+        if not self._count or holding is None or borrowed is None:
+            raise self._not_held()
         state = borrowed.state
+        state.observe()
+        self._count -= 1
+        holding.count -= 1
+        if self._count:
+            return
+        owner = self._owner  # put back if the unlock is refused unsent
+        self._holding = self._borrowed = None
+        self._owner = None
+        site = self._site
         if holding.count > 0 or holding.transaction or state.inherited or not holding.active:
             run_steps(self._release_without_unlock(holding, borrowed), site)
             return
@@ -371,9 +382,9 @@ class AdvisoryLock(LockContract):
         # module-level lock used like threading.Lock) or two asyncio tasks, the second
         # would count itself in without any lock on its own connection: refuse instead.
         # The owner is the thread, and the asyncio task within it (0 outside one).
-        loop = asyncio._get_running_loop()
+        loop = _running_loop()
         task = None if loop is None else asyncio.current_task(loop)
-        owner = (threading.get_ident(), 0 if task is None else id(task))
+        owner = (_thread_id(), 0 if task is None else id(task))
         with _CLAIMS:
             if self._owner is not None and self._owner != owner:
                 raise LockUsageError(
@@ -1022,6 +1033,9 @@ async def _arelease_all(locks: list[AdvisoryLock], *, quietly: bool = False) -> 
 
 
 _CLAIMS = threading.Lock()
+# Read by every acquire (_reenter), without the module attribute lookups.
+_running_loop = asyncio._get_running_loop
+_thread_id = threading.get_ident
 
 
 def _new_claims_lock() -> None:

@@ -225,7 +225,10 @@ def advisory_lock(
     """
     key = derive_key(name, scheme=key_scheme, prefix=key_prefix)
     options = lock_options(timeout, shared, transaction)
-    lock = binding_for(bind).lock(bind, key, options)
+    binding = _bindings.get(type(bind))  # binding_for(), without the call once it is known
+    if binding is None:
+        binding = binding_for(bind)
+    lock = binding.lock(bind, key, options)
     return lock  # type: ignore[no-any-return]
 
 
