@@ -28,7 +28,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeAlias
 
 from sqlalchemy import event
 from sqlalchemy import exc as sqlalchemy_errors
@@ -77,16 +77,19 @@ from advisory_locks._core.connection import (
 from advisory_locks._core.contract import LockOptions, Timeout
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import (
+    PQTRANS_IDLE,
+    PQTRANS_UNKNOWN,
     DBAPIExecutor,
     claim_idle_autocommit,
     driver_autocommit,
     driver_in_transaction,
+    libpq_connection,
     pipeline_refusal,
     restore_driver_autocommit,
     set_driver_autocommit,
 )
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, Steps, run_steps
-from advisory_locks._dialects import Backend, backend_for_dialect
+from advisory_locks._dialects import Backend, backend_for_dialect, loaded_backends
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockConnectionLost,
@@ -260,7 +263,9 @@ def _site_for(
 
 
 def _backend_for(engine: Engine) -> Backend:
-    return backend_for_dialect(engine.dialect.name)
+    name = engine.dialect.name
+    # backend_for_dialect(name), without the call once the backend is loaded
+    return loaded_backends.get(name) or backend_for_dialect(name)
 
 
 def _what(keys: tuple[LockKey, ...]) -> str:
@@ -481,7 +486,11 @@ class ConnectionSite:
         self.backend = _backend_for(connection.engine)
 
     def borrow(self, *, transaction: bool) -> ConnectionBorrow:
-        return _connection_borrow(self.connection, self.backend, transaction=transaction)
+        connection, backend = self.connection, self.backend
+        try:  # _connection_borrow(), without the call
+            return ConnectionBorrow(connection, backend, transaction=transaction)
+        except Exception as error:
+            _borrow_failed(connection, backend, error)
 
     def held_names(self) -> list[LockName]:
         if self.connection.closed or self.connection.invalidated:
@@ -523,6 +532,7 @@ class _ConnectionParts:
         "executor",
         "options",
         "persist",
+        "pgconn",
         "pooler",
         "state",
     )
@@ -535,6 +545,7 @@ class _ConnectionParts:
         self.dbapi = fairy.dbapi_connection
         self.backend = backend
         self.driver = _driver(fairy)
+        self.pgconn = libpq_connection(self.driver)
         self.state = state = connection_state(info, backend, fairy)
         # A forked child's copy of its parent's connection gets no executor: nothing may
         # be sent on it.
@@ -559,7 +570,12 @@ class _ConnectionParts:
         connection = self.connection()
         if connection is not None and connection.in_transaction():
             return not driver_autocommit(self.dbapi)
-        return driver_in_transaction(self.driver) is True
+        pgconn = self.pgconn
+        if pgconn is None:
+            return driver_in_transaction(self.driver) is True
+        # driver_in_transaction() on psycopg 3, in one read (UNKNOWN: a bad connection)
+        status: int = pgconn.transaction_status
+        return status != PQTRANS_IDLE and status != PQTRANS_UNKNOWN
 
 
 class ConnectionBorrow(_SettledAtOnce):
@@ -570,7 +586,8 @@ class ConnectionBorrow(_SettledAtOnce):
     def __init__(self, connection: Connection, backend: Backend, *, transaction: bool) -> None:
         self.connection = connection
         self.fairy = fairy = connection.connection
-        parts = fairy.info.get(PARTS_INFO_KEY)
+        info = fairy.info
+        parts = info.get(PARTS_INFO_KEY)
         if (
             parts is None
             or parts.connection() is not connection
@@ -584,7 +601,7 @@ class ConnectionBorrow(_SettledAtOnce):
             # it (the lock refuses it, naming itself).
             self.in_transaction = False
             return
-        if AUTOCOMMIT_INFO_KEY not in fairy.info and driver_autocommit(parts.dbapi):
+        if AUTOCOMMIT_INFO_KEY not in info and driver_autocommit(parts.dbapi):
             # In autocommit as the application configured it (not as an earlier lock
             # left it: that mode goes when a transaction begins, so it needs the
             # executor that switches).
@@ -616,7 +633,8 @@ class ConnectionBorrow(_SettledAtOnce):
             )
         options = connection.get_execution_options()
         pooler = parts.pooler if options is parts.options else parts.declared_pooler(options)
-        _check_server_once(state, self.executor, fairy, pooler, session_lock=not transaction)
+        if pooler is not None or state.behind_proxy is not False:  # not server_checked()
+            _check_server_once(state, self.executor, fairy, pooler, session_lock=not transaction)
         self.in_transaction = transaction or parts.inside_transaction()
         if state.pending_release and not connection.in_transaction():
             # A failed transaction postponed these unlocks and has ended since.
@@ -645,13 +663,19 @@ def _connection_borrow(
     try:
         return ConnectionBorrow(connection, backend, transaction=transaction)
     except Exception as error:
-        if (connection.invalidated or connection.closed) or not (
-            backend.is_connection_failure(error)
-            or _dialect_disconnect(connection.dialect, error, connection.connection)
-        ):
-            raise
-        report_disconnect(connection, error)
-        raise LockConnectionLost(str(error)) from error
+        _borrow_failed(connection, backend, error)
+
+
+def _borrow_failed(connection: Connection, backend: Backend, error: Exception) -> NoReturn:
+    """Raise what an error making a ``ConnectionBorrow`` means: the error itself, or
+    ``LockConnectionLost`` for a connection that died (reported to SQLAlchemy first)."""
+    if (connection.invalidated or connection.closed) or not (
+        backend.is_connection_failure(error)
+        or _dialect_disconnect(connection.dialect, error, connection.connection)
+    ):
+        raise error
+    report_disconnect(connection, error)
+    raise LockConnectionLost(str(error)) from error
 
 
 class _AutocommitExecutor:

@@ -366,6 +366,18 @@ def _switch_psycopg_autocommit(connection: Any, value: bool) -> None:
         connection.autocommit = value
 
 
+def libpq_connection(driver_connection: Any) -> Any:
+    """A psycopg 3 connection's ``pgconn`` (one object for the connection's whole life),
+    whose ``transaction_status`` answers ``driver_in_transaction`` without the questions
+    about the driver; None for every other driver."""
+    if driver_connection is None:
+        return None
+    kind = _kinds.get(type(driver_connection))
+    if kind is None:
+        kind = _kind(driver_connection)
+    return driver_connection.pgconn if kind & _PGCONN else None
+
+
 def driver_in_transaction(driver_connection: Any) -> bool | None:
     """Whether the driver connection is inside a transaction (None where it cannot tell,
     a closed or broken connection included)."""

@@ -8,9 +8,10 @@ from advisory_locks._core.contract import Timeout
 from advisory_locks._dialects.base import Backend, LockedRow
 from advisory_locks.errors import UnsupportedDatabase
 
-__all__ = ["Backend", "LockedRow", "Timeout", "backend_for_dialect"]
+__all__ = ["Backend", "LockedRow", "Timeout", "backend_for_dialect", "loaded_backends"]
 
-_backends: dict[str, Backend] = {}
+# Each dialect name's backend once loaded (read directly where a call costs too much).
+loaded_backends: dict[str, Backend] = {}
 # First use may come from many threads at once (a web server's first requests). Python
 # hands a module that is still being imported to other importing threads, and a failed
 # import leaves them "cannot import name" instead of the real reason, so the first
@@ -20,12 +21,12 @@ _first_use = threading.Lock()
 
 def backend_for_dialect(dialect_name: str) -> Backend:
     """Return the backend for a SQLAlchemy/Django dialect name such as ``postgresql``."""
-    backend = _backends.get(dialect_name)
+    backend = loaded_backends.get(dialect_name)
     if backend is None:
         with _first_use:
-            backend = _backends.get(dialect_name)
+            backend = loaded_backends.get(dialect_name)
             if backend is None:
-                backend = _backends[dialect_name] = _load(dialect_name)
+                backend = loaded_backends[dialect_name] = _load(dialect_name)
     return backend
 
 
