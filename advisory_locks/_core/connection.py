@@ -166,14 +166,13 @@ class ConnectionState:
     # binding cuts the child's handles on it (an ORM pool would otherwise roll it back,
     # reset or close it when the child drops them, through the parent's socket).
     fork_hook: Callable[[], None] | None = None
+    # Whether this process is a fork of the one that opened the connection: asked several
+    # times per lock, so kept rather than computed (the fork hook below sets it again).
+    inherited: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
+        self.inherited = self.pid != _process_id
         _STATES.add(self)
-
-    @property
-    def inherited(self) -> bool:
-        """Whether this process is a fork of the one that opened the connection."""
-        return self.pid != _process_id
 
     def observe(self) -> None:
         """Catch up, without a round trip, with what happened to the driver connection
@@ -420,6 +419,7 @@ def _after_fork_in_child() -> None:
     global _process_id
     _process_id = os.getpid()
     for state in list(_STATES):
+        state.inherited = state.pid != _process_id
         # A thread of the parent may have held it at the fork; none in the child will
         # ever let it go.
         state.mutex = threading.RLock()
