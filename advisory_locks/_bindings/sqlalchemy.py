@@ -570,6 +570,10 @@ class _ConnectionParts:
         connection = self.connection()
         if connection is not None and connection.in_transaction():
             return not driver_autocommit(self.dbapi)
+        return self.driver_inside()
+
+    def driver_inside(self) -> bool:
+        """Whether the driver has a transaction open that SQLAlchemy did not begin."""
         pgconn = self.pgconn
         if pgconn is None:
             return driver_in_transaction(self.driver) is True
@@ -601,7 +605,10 @@ class ConnectionBorrow(_SettledAtOnce):
             # it (the lock refuses it, naming itself).
             self.in_transaction = False
             return
-        if AUTOCOMMIT_INFO_KEY not in info and driver_autocommit(parts.dbapi):
+        # Switched to autocommit by an earlier lock: no transaction has begun since (the
+        # "begin" hook below takes the key away first).
+        switched = AUTOCOMMIT_INFO_KEY in info
+        if not switched and driver_autocommit(parts.dbapi):
             # In autocommit as the application configured it (not as an earlier lock
             # left it: that mode goes when a transaction begins, so it needs the
             # executor that switches).
@@ -635,7 +642,9 @@ class ConnectionBorrow(_SettledAtOnce):
         pooler = parts.pooler if options is parts.options else parts.declared_pooler(options)
         if pooler is not None or state.behind_proxy is not False:  # not server_checked()
             _check_server_once(state, self.executor, fairy, pooler, session_lock=not transaction)
-        self.in_transaction = transaction or parts.inside_transaction()
+        self.in_transaction = transaction or (
+            parts.driver_inside() if switched else parts.inside_transaction()
+        )
         if state.pending_release and not connection.in_transaction():
             # A failed transaction postponed these unlocks and has ended since.
             run_steps(finish_pending_releases(state, self.executor))
