@@ -171,7 +171,7 @@ class SQLAlchemyBinding:
         if cls is Engine and not options.transaction:
             return AdvisoryLock(EngineSite(bind, (key,)), key, options)
         if cls is Session:
-            return AdvisoryLock(SessionSite(bind, (key,), shared=options.shared), key, options)
+            return AdvisoryLock(SessionSite(bind, (key,), options.shared), key, options)
         sync = sync_bind(bind)
         site = _site_for(sync, transaction=options.transaction, keys=(key,), shared=options.shared)
         lock = AdvisoryLock(site, key, options)
@@ -487,8 +487,8 @@ class ConnectionSite:
 
     def borrow(self, *, transaction: bool) -> ConnectionBorrow:
         connection, backend = self.connection, self.backend
-        try:  # _connection_borrow(), without the call
-            return ConnectionBorrow(connection, backend, transaction=transaction)
+        try:  # _connection_borrow(), without the call (and positional: see _AutocommitExecutor)
+            return ConnectionBorrow(connection, backend, transaction)
         except Exception as error:
             _borrow_failed(connection, backend, error)
 
@@ -587,7 +587,7 @@ class ConnectionBorrow(_SettledAtOnce):
 
     __slots__ = ("connection", "executor", "fairy", "in_transaction", "state")
 
-    def __init__(self, connection: Connection, backend: Backend, *, transaction: bool) -> None:
+    def __init__(self, connection: Connection, backend: Backend, transaction: bool) -> None:
         self.connection = connection
         self.fairy = fairy = connection.connection
         info = fairy.info
@@ -636,7 +636,7 @@ class ConnectionBorrow(_SettledAtOnce):
             # that a lock and its release switch once, not around each statement (except
             # on a single-connection pool: see _ConnectionParts.persist).
             self.executor = _AutocommitExecutor(
-                fairy, parts.inside_transaction, persist=parts.persist, executor=parts.executor
+                fairy, parts.inside_transaction, parts.persist, parts.executor
             )
         options = connection.get_execution_options()
         pooler = parts.pooler if options is parts.options else parts.declared_pooler(options)
@@ -670,7 +670,7 @@ def _connection_borrow(
     """A ``ConnectionBorrow``; a connection that died under the statements it runs to get
     ready is handed to SQLAlchemy's disconnect handling and reported as such."""
     try:
-        return ConnectionBorrow(connection, backend, transaction=transaction)
+        return ConnectionBorrow(connection, backend, transaction)
     except Exception as error:
         _borrow_failed(connection, backend, error)
 
@@ -703,10 +703,11 @@ class _AutocommitExecutor:
         self,
         fairy: PoolProxiedConnection,
         inside: Callable[[], bool],
-        *,
         persist: bool = False,
         executor: Any = None,
     ) -> None:
+        # Positional arguments where a lock makes one: Python 3.11 builds a dict for the
+        # keywords of a call to a class.
         self.fairy = fairy
         self.inside = inside
         self.persist = persist
@@ -1197,9 +1198,7 @@ class PinnedBorrow(_SettledAtOnce):
         if pin.backend.locks_on_server:
             # Others may use the connection of a single-connection pool without
             # SQLAlchemy beginning anything on it: switch only for each statement there.
-            self.executor: Any = _AutocommitExecutor(
-                fairy, pin.inside_transaction, persist=not pin.shared
-            )
+            self.executor: Any = _AutocommitExecutor(fairy, pin.inside_transaction, not pin.shared)
         else:
             self.executor = executor_for(fairy, fairy.info)
         if self.state.inherited:
@@ -1235,7 +1234,7 @@ class SessionSite:
     binding = "sqlalchemy"
 
     def __init__(
-        self, session: Session, keys: tuple[LockKey, ...] = (), *, shared: bool = False
+        self, session: Session, keys: tuple[LockKey, ...] = (), shared: bool = False
     ) -> None:
         self.session = session
         self.keys = keys

@@ -69,10 +69,12 @@ class Holding:
     key: LockKey
     shared: bool
     transaction: bool
-    count: int = 0
     # Savepoint depth at which a transaction lock was taken: rolling back a savepoint
     # at or above it makes PostgreSQL release the lock.
     depth: int = 0
+    # Where its connection's state files it (ConnectionState._entry), set when added.
+    entry: HoldingKey | None = None
+    count: int = 0
     active: bool = True
     # Set when the grant was reported to event listeners (``advisory_locks._core.events``):
     # only then is its end reported, once.
@@ -80,8 +82,6 @@ class Holding:
     source: EventSource | None = None
     end_reported: bool = False
     loss_reported: bool = False
-    # Where its connection's state files it (ConnectionState._entry), set when added.
-    entry: HoldingKey | None = None
 
     def event(
         self,
@@ -199,7 +199,8 @@ class ConnectionState:
         )
         entry = (identity, shared, transaction)
         with self.mutex:
-            holding = Holding(key, shared, transaction, depth=len(self.savepoints), entry=entry)
+            # Positional: a class called with keywords builds a dict for them (Python 3.11).
+            holding = Holding(key, shared, transaction, len(self.savepoints), entry)
             self.holdings[entry] = holding
             return holding
 
