@@ -137,6 +137,10 @@ def derive_key(
         # the environment says.
         if not name:
             raise ValueError("lock name must not be empty")
+        reader = _reader  # _environment()'s usual answer, neither variable set, first
+        data = reader[1]
+        if reader[0] is os.environ and reader[2] not in data and reader[3] not in data:
+            return _string_key(name, DEFAULT_SCHEME, None)
         prefix, scheme = _environment()
         return _string_key(name, _resolve_scheme(scheme) if scheme else DEFAULT_SCHEME, prefix)
     if isinstance(name, bool):

@@ -483,7 +483,8 @@ class ConnectionSite:
 
     def __init__(self, connection: Connection) -> None:
         self.connection = connection
-        self.backend = _backend_for(connection.engine)
+        name = connection.engine.dialect.name  # _backend_for(), without the call
+        self.backend = loaded_backends.get(name) or backend_for_dialect(name)
 
     def borrow(self, *, transaction: bool) -> ConnectionBorrow:
         connection, backend = self.connection, self.backend
