@@ -58,6 +58,10 @@ CLIENTS = {
     "floor.psycopg.contract": (
         "the contract floor on a raw psycopg connection (benchmarks.floors._ContractFloorLock)"
     ),
+    "floor.connection.contract": (
+        "the contract floor on a SQLAlchemy Connection "
+        "(benchmarks.floors._ConnectionContractFloorLock)"
+    ),
 }
 WAIT_MS = str(WAIT_SECONDS * 1000)
 
@@ -198,6 +202,12 @@ def _floor_take(kind: str, name: str, key: int, url: URL, stack: ExitStack) -> T
     """A bind floor as a client, waiting in the server as ours does, on the same key."""
     if kind == "floor.psycopg.contract":
         return floors.contract_floor_take(raw_connection(url, stack), name, WAIT_SECONDS)
+    if kind == floors.CONNECTION_CONTRACT:
+        engine = create_engine(url)
+        stack.callback(engine.dispose)
+        connection = engine.connect()
+        stack.callback(connection.close)
+        return floors.connection_contract_floor_take(connection, name, WAIT_SECONDS)
     floor: floors.FloorLock
     if kind == "floor.django.timeout":
         setup_django(url)

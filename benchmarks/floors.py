@@ -45,11 +45,14 @@ from benchmarks.uncontended import (
 )
 
 __all__ = [
+    "CONNECTION_CONTRACT",
     "ConnectionFloor",
     "DjangoFloor",
     "EngineFloor",
     "FloorLock",
     "SessionFloor",
+    "connection_contract_floor",
+    "connection_contract_floor_take",
     "connection_floor",
     "contract_floor_take",
     "django_floor",
@@ -62,6 +65,7 @@ FLOOR_KEY_BASE = RAW_KEY_BASE + 60
 CURSOR_INFO_KEY = "benchmarks.floor_cursor"
 IDLE = TransactionStatus.IDLE
 TIMEOUT_MS = str(TIMEOUT_SECONDS * 1000)
+CONNECTION_CONTRACT = "floor.connection.contract"
 
 
 class FloorLock(Protocol):
@@ -381,6 +385,49 @@ class _ContractFloorLock:
 _REGISTRY = "_benchmarks_contract_floor"
 
 
+class _ConnectionContractFloorLock(_ContractFloorLock):
+    """The contract floor on a SQLAlchemy Connection outside a transaction: the
+    bookkeeping of ``_ContractFloorLock`` (holders counted in the pooled connection's
+    ``info``) around ``ConnectionFloor``'s statements (the driver asked whether a
+    transaction is open, autocommit on only around each statement). What the library does
+    on this bind and the floor leaves out is the same list as ``_ContractFloorLock``'s."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _ConnectionContractFloorLock:
+        fairy = self._connection.connection  # a closed Connection raises here
+        info = fairy.info
+        holders = info.get(_REGISTRY)
+        if holders is None:
+            holders = info[_REGISTRY] = {}
+        count = holders.get(self._key)
+        if count:
+            holders[self._key] = count + 1
+            return self
+        self._statement(fairy, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        holders[self._key] = 1
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        fairy = self._connection.connection
+        holders = fairy.info[_REGISTRY]
+        count = holders[self._key] - 1
+        if count:
+            holders[self._key] = count
+            return
+        del holders[self._key]
+        self._statement(fairy, UNLOCK_SQL, (self._key,))  # raises for a lost lock
+
+    @staticmethod
+    def _statement(fairy: PoolProxiedConnection, sql: str, params: tuple[object, ...]) -> None:
+        dbapi: Any = fairy.dbapi_connection
+        if dbapi.pgconn.transaction_status != IDLE:
+            raise RuntimeError("the contract floor covers a Connection outside a transaction")
+        dbapi.autocommit = True
+        _run(_cursor(fairy), sql, params)
+        dbapi.autocommit = False
+
+
 def contract_floor_take(
     connection: Any, name: str, timeout: float
 ) -> Callable[[], Callable[[], None]]:
@@ -393,6 +440,42 @@ def contract_floor_take(
         return lock.release
 
     return take
+
+
+def connection_contract_floor_take(
+    connection: SAConnection, name: str, timeout: float
+) -> Callable[[], Callable[[], None]]:
+    """``contract_floor_take`` on a SQLAlchemy Connection (``_ConnectionContractFloorLock``)."""
+
+    def take() -> Callable[[], None]:
+        lock = _ConnectionContractFloorLock(connection, name, timeout)
+        lock.__enter__()
+        return lock.release
+
+    return take
+
+
+def connection_contract_floor(url: URL, stack: ExitStack) -> Case:
+    """The contract floor on a SQLAlchemy Connection outside a transaction."""
+    tracked = TrackedEngine(url, stack)
+    connection = tracked.engine.connect()
+    stack.callback(connection.close)
+
+    def operation(watch: Stopwatch) -> None:
+        watch.start()
+        with _ConnectionContractFloorLock(connection, CONNECTION_CONTRACT, TIMEOUT_SECONDS):
+            pass
+        watch.stop()
+
+    return Case(
+        CONNECTION_CONTRACT,
+        "floor",
+        "by hand on a Connection outside a transaction: the contract floor's bookkeeping "
+        "(as floor.psycopg.contract) around floor.connection.timeout's statements",
+        operation,
+        twin=TWIN,
+        sockets=tracked.sockets,
+    )
 
 
 def psycopg_contract_floor(connection: Any, sockets: Any) -> Case:

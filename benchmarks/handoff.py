@@ -46,6 +46,7 @@ HANDOFF_VARIANTS = [
     ("floor.engine.handoff.timeout", "floor.engine.timeout"),
     ("ours.handoff.timeout", "ours.engine.timeout"),
     ("floor.connection.handoff.timeout", "floor.connection.timeout"),
+    ("floor.connection.contract.handoff", "floor.connection.contract"),
     ("ours.connection.handoff.timeout", "ours.connection.timeout"),
     ("floor.session.handoff.timeout", "floor.session.timeout"),
     ("ours.session.handoff.timeout", "ours.session.timeout"),

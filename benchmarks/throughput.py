@@ -33,6 +33,7 @@ THROUGHPUT_KINDS = [
     "floor.engine.timeout",
     "ours.engine.timeout",
     "floor.connection.timeout",
+    "floor.connection.contract",
     "ours.connection.timeout",
     "floor.session.timeout",
     "ours.session.timeout",

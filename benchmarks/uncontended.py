@@ -238,6 +238,7 @@ def library_cases(url: URL, stack: ExitStack) -> list[Case]:
 
     connection_floor = floors.connection_floor(url, stack)
     cases.append(connection_floor)
+    cases.append(floors.connection_contract_floor(url, stack))
     tracked = TrackedEngine(url, stack)
     connection = tracked.engine.connect()
     stack.callback(connection.close)
