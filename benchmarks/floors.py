@@ -142,20 +142,22 @@ class ConnectionFloor:
         self._lock_params = (key, timeout_ms)
         self._unlock_params = (key,)
 
-    def _statement(self, sql: str, params: tuple[object, ...]) -> None:
-        fairy = self._connection.connection
-        dbapi: Any = fairy.dbapi_connection
-        if dbapi.pgconn.transaction_status != IDLE:
-            raise RuntimeError("floor.connection covers a Connection outside a transaction")
-        dbapi.autocommit = True
-        _run(_cursor(fairy), sql, params)
-        dbapi.autocommit = False
-
     def acquire(self) -> None:
-        self._statement(TIMEOUT_LOCK_SQL, self._lock_params)
+        _switched_statement(self._connection.connection, TIMEOUT_LOCK_SQL, self._lock_params)
 
     def release(self) -> None:
-        self._statement(UNLOCK_SQL, self._unlock_params)
+        _switched_statement(self._connection.connection, UNLOCK_SQL, self._unlock_params)
+
+
+def _switched_statement(fairy: PoolProxiedConnection, sql: str, params: tuple[object, ...]) -> None:
+    """One statement on a Connection outside a transaction (both Connection floors): ask
+    the driver whether a transaction is open, autocommit on, execute, autocommit off."""
+    dbapi: Any = fairy.dbapi_connection
+    if dbapi.pgconn.transaction_status != IDLE:
+        raise RuntimeError("the Connection floors cover a Connection outside a transaction")
+    dbapi.autocommit = True
+    _run(_cursor(fairy), sql, params)
+    dbapi.autocommit = False
 
 
 class SessionFloor:
@@ -404,7 +406,7 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
         if count:
             holders[self._key] = count + 1
             return self
-        self._statement(fairy, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        _switched_statement(fairy, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
         holders[self._key] = 1
         return self
 
@@ -416,16 +418,7 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
             holders[self._key] = count
             return
         del holders[self._key]
-        self._statement(fairy, UNLOCK_SQL, (self._key,))  # raises for a lost lock
-
-    @staticmethod
-    def _statement(fairy: PoolProxiedConnection, sql: str, params: tuple[object, ...]) -> None:
-        dbapi: Any = fairy.dbapi_connection
-        if dbapi.pgconn.transaction_status != IDLE:
-            raise RuntimeError("the contract floor covers a Connection outside a transaction")
-        dbapi.autocommit = True
-        _run(_cursor(fairy), sql, params)
-        dbapi.autocommit = False
+        _switched_statement(fairy, UNLOCK_SQL, (self._key,))  # raises for a lost lock
 
 
 def contract_floor_take(
