@@ -62,6 +62,9 @@ CLIENTS = {
         "the contract floor on a SQLAlchemy Connection "
         "(benchmarks.floors._ConnectionContractFloorLock)"
     ),
+    "floor.django.contract": (
+        "the contract floor on Django's connection (benchmarks.floors._DjangoContractFloorLock)"
+    ),
 }
 WAIT_MS = str(WAIT_SECONDS * 1000)
 
@@ -208,6 +211,9 @@ def _floor_take(kind: str, name: str, key: int, url: URL, stack: ExitStack) -> T
         connection = engine.connect()
         stack.callback(connection.close)
         return floors.connection_contract_floor_take(connection, name, WAIT_SECONDS)
+    if kind == floors.DJANGO_CONTRACT:
+        setup_django(url)
+        return floors.django_contract_floor_take(name, WAIT_SECONDS)
     floor: floors.FloorLock
     if kind == "floor.django.timeout":
         setup_django(url)

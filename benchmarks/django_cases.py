@@ -3,7 +3,8 @@
 Django keeps one connection per thread and alias; every case here runs on the main
 thread's ``default`` connection (in autocommit, Django's default). Two references run on
 it: the raw floor's statements through Django's own cursor, and ``floor.django.timeout``
-(benchmarks.floors), the least any library must do there for acquire(timeout) + release.
+(benchmarks.floors), the least any library must do there for acquire(timeout) + release,
+with ``floor.django.contract``, the least a lock keeping the contract does there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from sqlalchemy.engine import URL
 
 from benchmarks.clients import PALS_APP, setup_django
-from benchmarks.floors import django_floor
+from benchmarks.floors import django_contract_floor, django_floor
 from benchmarks.measure import Case, Stopwatch
 from benchmarks.uncontended import RAW_KEY_BASE, TIMEOUT_SECONDS, TWIN
 
@@ -92,6 +93,7 @@ def django_cases(url: URL, stack: ExitStack) -> list[Case]:
     add("ours.django", "advisory_lock(name) (Django)", ours(None), "raw.lock+unlock", "django")
     floor = django_floor(_django_socket)
     cases.append(floor)
+    cases.append(django_contract_floor(_django_socket))
     add(
         "ours.django.timeout",
         f"advisory_lock(name, timeout={TIMEOUT_SECONDS}) (Django)",

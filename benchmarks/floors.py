@@ -23,6 +23,7 @@ is open a library would have to join it, which a floor refuses rather than imita
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any, ClassVar, Protocol
@@ -46,6 +47,7 @@ from benchmarks.uncontended import (
 
 __all__ = [
     "CONNECTION_CONTRACT",
+    "DJANGO_CONTRACT",
     "ConnectionFloor",
     "DjangoFloor",
     "EngineFloor",
@@ -55,6 +57,8 @@ __all__ = [
     "connection_contract_floor_take",
     "connection_floor",
     "contract_floor_take",
+    "django_contract_floor",
+    "django_contract_floor_take",
     "django_floor",
     "engine_floor",
     "psycopg_contract_floor",
@@ -66,6 +70,7 @@ CURSOR_INFO_KEY = "benchmarks.floor_cursor"
 IDLE = TransactionStatus.IDLE
 TIMEOUT_MS = str(TIMEOUT_SECONDS * 1000)
 CONNECTION_CONTRACT = "floor.connection.contract"
+DJANGO_CONTRACT = "floor.django.contract"
 
 
 class FloorLock(Protocol):
@@ -421,6 +426,85 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
         _switched_statement(fairy, UNLOCK_SQL, (self._key,))  # raises for a lost lock
 
 
+class _DjangoContractFloorLock:
+    """The contract floor on Django's connection: the bookkeeping of
+    ``_ContractFloorLock`` around ``DjangoFloor``'s statements. The lock finds the
+    thread's connection to the alias (connected, in autocommit outside ``atomic()``, as
+    ``DjangoFloor`` checks), counts its holders in a registry kept on the connection
+    wrapper for the DB-API connection it was made for (Django may replace that connection
+    between two locks), and notes a lock granted inside a request, whose end must release
+    it (``request_finished``; the thread-local flag read here is the library's own). At
+    release it finds the holders through the wrapper it locked on, checks that the
+    DB-API connection is still the one, and checks the unlock's answer. What the library
+    does on this bind and this floor leaves out is ``_ContractFloorLock``'s list, plus
+    settings read for defaults, ``atomic()`` for ``transaction=True`` and the close hook.
+    """
+
+    __slots__ = ("_alias", "_key", "_timeout_ms", "_wrapper")
+
+    def __init__(self, name: str, timeout: float, alias: str = "default") -> None:
+        if name.__class__ is not str or not name:
+            raise TypeError("name")
+        keys = _ContractFloorLock._keys
+        key = keys.get(name)
+        if key is None:
+            digest = hashlib.sha256(name.encode()).digest()
+            key = keys[name] = int.from_bytes(digest[:8], "big", signed=True)
+        if not 0 < timeout < 86_400:
+            raise ValueError("timeout")
+        self._alias = alias
+        self._key = key
+        self._timeout_ms = str(int(timeout * 1000))
+        self._wrapper: Any = None
+
+    def __enter__(self) -> _DjangoContractFloorLock:
+        from django.db import connections
+
+        wrapper = connections[self._alias]
+        if not wrapper.get_autocommit() or wrapper.in_atomic_block:
+            raise RuntimeError("floor.django.contract covers Django's connection in autocommit")
+        raw = wrapper.connection
+        registry = wrapper.__dict__.get(_REGISTRY)
+        if registry is None or registry[0] is not raw:
+            registry = wrapper.__dict__[_REGISTRY] = raw, {}, psycopg.Cursor(raw), []
+        _, holders, cursor, in_request = registry
+        self._wrapper = wrapper
+        count = holders.get(self._key)
+        if count:
+            holders[self._key] = count + 1
+            return self
+        _run(cursor, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        holders[self._key] = 1
+        if _DJANGO_REQUEST.active:
+            in_request.append(self._key)
+        return self
+
+    def release(self) -> None:
+        """For the handoff and throughput clients, which hold the lock between calls."""
+        self.__exit__(None, None, None)
+
+    def __exit__(self, *exc_info: object) -> None:
+        wrapper = self._wrapper
+        raw, holders, cursor, in_request = wrapper.__dict__[_REGISTRY]
+        if wrapper.connection is not raw:
+            raise RuntimeError("lost")
+        count = holders[self._key] - 1
+        if count:
+            holders[self._key] = count
+            return
+        del holders[self._key]
+        if in_request:
+            in_request.remove(self._key)
+        _run(cursor, UNLOCK_SQL, (self._key,))  # raises for a lost lock
+
+
+class _RequestFlag(threading.local):
+    active = False
+
+
+_DJANGO_REQUEST = _RequestFlag()
+
+
 def contract_floor_take(
     connection: Any, name: str, timeout: float
 ) -> Callable[[], Callable[[], None]]:
@@ -446,6 +530,39 @@ def connection_contract_floor_take(
         return lock.release
 
     return take
+
+
+def django_contract_floor_take(name: str, timeout: float) -> Callable[[], Callable[[], None]]:
+    """``contract_floor_take`` on Django's default connection (``_DjangoContractFloorLock``)."""
+
+    def take() -> Callable[[], None]:
+        lock = _DjangoContractFloorLock(name, timeout)
+        lock.__enter__()
+        return lock.release
+
+    return take
+
+
+def django_contract_floor(sockets: Callable[[], list[int]]) -> Case:
+    """The contract floor on Django's default connection (configured by the caller)."""
+
+    def operation(watch: Stopwatch) -> None:
+        watch.start()
+        with _DjangoContractFloorLock(DJANGO_CONTRACT, TIMEOUT_SECONDS):
+            pass
+        watch.stop()
+
+    return Case(
+        DJANGO_CONTRACT,
+        "floor",
+        "by hand on Django's connection: the contract floor's bookkeeping (as "
+        "floor.psycopg.contract, holders kept on the connection wrapper for its DB-API "
+        "connection, a lock taken in a request noted) around floor.django.timeout's "
+        "statements",
+        operation,
+        twin=TWIN,
+        sockets=sockets,
+    )
 
 
 def connection_contract_floor(url: URL, stack: ExitStack) -> Case:

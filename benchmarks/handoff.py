@@ -51,6 +51,7 @@ HANDOFF_VARIANTS = [
     ("floor.session.handoff.timeout", "floor.session.timeout"),
     ("ours.session.handoff.timeout", "ours.session.timeout"),
     ("floor.django.handoff.timeout", "floor.django.timeout"),
+    ("floor.django.contract.handoff", "floor.django.contract"),
     ("ours.django.handoff.timeout", "ours.django.timeout"),
     ("pglock.handoff.timeout", "pglock.timeout"),
     ("pals.handoff.timeout", "pals.timeout"),

@@ -38,6 +38,7 @@ THROUGHPUT_KINDS = [
     "floor.session.timeout",
     "ours.session.timeout",
     "floor.django.timeout",
+    "floor.django.contract",
     "ours.django.timeout",
     "floor.psycopg.contract",
     "ours.psycopg.timeout",
