@@ -62,6 +62,12 @@ CLIENTS = {
         "the contract floor on a SQLAlchemy Connection "
         "(benchmarks.floors._ConnectionContractFloorLock)"
     ),
+    "floor.engine.contract": (
+        "the contract floor on an Engine (benchmarks.floors._EngineContractFloorLock)"
+    ),
+    "floor.session.contract": (
+        "the contract floor on a Session (benchmarks.floors._SessionContractFloorLock)"
+    ),
     "floor.django.contract": (
         "the contract floor on Django's connection (benchmarks.floors._DjangoContractFloorLock)"
     ),
@@ -211,6 +217,14 @@ def _floor_take(kind: str, name: str, key: int, url: URL, stack: ExitStack) -> T
         connection = engine.connect()
         stack.callback(connection.close)
         return floors.connection_contract_floor_take(connection, name, WAIT_SECONDS)
+    if kind in (floors.ENGINE_CONTRACT, floors.SESSION_CONTRACT):
+        engine = create_engine(url)
+        stack.callback(engine.dispose)
+        if kind == floors.ENGINE_CONTRACT:
+            return floors.engine_contract_floor_take(engine, name, WAIT_SECONDS)
+        session = Session(engine)
+        stack.callback(session.close)
+        return floors.session_contract_floor_take(session, name, WAIT_SECONDS)
     if kind == floors.DJANGO_CONTRACT:
         setup_django(url)
         return floors.django_contract_floor_take(name, WAIT_SECONDS)

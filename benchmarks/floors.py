@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Protocol
 
 import psycopg
 from psycopg.pq import TransactionStatus
+from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.orm import Session
@@ -48,6 +49,8 @@ from benchmarks.uncontended import (
 __all__ = [
     "CONNECTION_CONTRACT",
     "DJANGO_CONTRACT",
+    "ENGINE_CONTRACT",
+    "SESSION_CONTRACT",
     "ConnectionFloor",
     "DjangoFloor",
     "EngineFloor",
@@ -60,8 +63,13 @@ __all__ = [
     "django_contract_floor",
     "django_contract_floor_take",
     "django_floor",
+    "engine_contract_floor",
+    "engine_contract_floor_take",
     "engine_floor",
+    "guard_engine",
     "psycopg_contract_floor",
+    "session_contract_floor",
+    "session_contract_floor_take",
     "session_floor",
 ]
 
@@ -71,6 +79,8 @@ IDLE = TransactionStatus.IDLE
 TIMEOUT_MS = str(TIMEOUT_SECONDS * 1000)
 CONNECTION_CONTRACT = "floor.connection.contract"
 DJANGO_CONTRACT = "floor.django.contract"
+ENGINE_CONTRACT = "floor.engine.contract"
+SESSION_CONTRACT = "floor.session.contract"
 
 
 class FloorLock(Protocol):
@@ -505,6 +515,138 @@ class _RequestFlag(threading.local):
 _DJANGO_REQUEST = _RequestFlag()
 
 
+class _EngineContractFloorLock(_ContractFloorLock):
+    """The contract floor on an Engine: ``EngineFloor``'s checkout, autocommit switch,
+    statements and checkin, with the bookkeeping of ``_ContractFloorLock``: the holders
+    counted in the checked-out connection's ``info`` (the lock object keeps its checkout
+    while held, and a re-entry of the object counts on it), the unlock's answer checked,
+    and the pool guard: a listener on the pool's checkin (``guard_engine``) that checks
+    no lock is still counted on a connection going back (a library unlocks it there)."""
+
+    __slots__ = ("_fairy",)
+
+    def __init__(self, engine: Any, name: str, timeout: float) -> None:
+        super().__init__(engine, name, timeout)
+        self._fairy: Any = None
+
+    def __enter__(self) -> _EngineContractFloorLock:
+        fairy = self._fairy
+        if fairy is not None:  # a re-entry of this object, on its checkout
+            fairy.info[_REGISTRY][self._key] += 1
+            return self
+        fairy = self._connection.raw_connection()
+        info = fairy.info
+        holders = info.get(_REGISTRY)
+        if holders is None:
+            holders = info[_REGISTRY] = {}
+        dbapi = fairy.dbapi_connection
+        dbapi.autocommit = True  # psycopg refuses it inside a transaction
+        try:
+            _run(_cursor(fairy), TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        except BaseException:
+            dbapi.autocommit = False
+            fairy.close()
+            raise
+        holders[self._key] = 1
+        self._fairy = fairy
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        fairy = self._fairy
+        holders = fairy.info[_REGISTRY]
+        count = holders[self._key] - 1
+        if count:
+            holders[self._key] = count
+            return
+        del holders[self._key]
+        self._fairy = None
+        _run(_cursor(fairy), UNLOCK_SQL, (self._key,))  # raises for a lost lock
+        fairy.dbapi_connection.autocommit = False
+        fairy.close()
+
+
+def _checkin_guard(dbapi_connection: Any, record: Any) -> None:
+    if dbapi_connection is not None and record.info.get(_REGISTRY):
+        raise RuntimeError("a connection went back to the pool holding a lock")
+
+
+def guard_engine(engine: Engine) -> Engine:
+    """Put the contract floors' pool guard on ``engine``'s pool (once)."""
+    if not event.contains(engine, "checkin", _checkin_guard):
+        event.listen(engine, "checkin", _checkin_guard)
+    return engine
+
+
+class _SessionContractFloorLock(_ContractFloorLock):
+    """The contract floor on a Session outside a transaction: ``SessionFloor``'s lock
+    connection (checked out from the Session's engine and set as ``session.bind`` while
+    the Session holds locks, so a second lock of the Session finds it there), with the
+    bookkeeping of ``_EngineContractFloorLock`` on that connection: holders counted in
+    its ``info``, the unlock's answer checked, the pool guard at checkin. The Engine goes
+    back as ``session.bind`` when the Session's last lock is released."""
+
+    __slots__ = ("_engine", "_held")
+
+    def __init__(self, session: Session, name: str, timeout: float) -> None:
+        super().__init__(session, name, timeout)
+        self._held: Any = None
+        self._engine: Any = None
+
+    def __enter__(self) -> _SessionContractFloorLock:
+        held = self._held
+        if held is not None:  # a re-entry of this object
+            held.connection.info[_REGISTRY][self._key] += 1
+            return self
+        session = self._connection
+        pinned = session.bind
+        if isinstance(pinned, SAConnection):  # another lock of this Session holds it
+            connection, engine = pinned, pinned.engine
+        else:
+            if session.get_transaction() is not None:
+                raise RuntimeError("floor.session.contract covers a Session outside a transaction")
+            engine = session.get_bind()
+            connection = engine.connect()
+            session.bind = connection
+        fairy = connection.connection
+        info = fairy.info
+        holders = info.get(_REGISTRY)
+        if holders is None:
+            holders = info[_REGISTRY] = {}
+        count = holders.get(self._key)
+        if count:  # another lock object of this Session holds this name: counted
+            holders[self._key] = count + 1
+        else:
+            dbapi = fairy.dbapi_connection
+            dbapi.autocommit = True
+            try:
+                _run(_cursor(fairy), TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+            except BaseException:
+                dbapi.autocommit = False
+                if not holders:
+                    session.bind = engine
+                    connection.close()
+                raise
+            holders[self._key] = 1
+        self._held, self._engine = connection, engine
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        connection = self._held
+        fairy = connection.connection
+        holders = fairy.info[_REGISTRY]
+        count = holders[self._key] - 1
+        if count:
+            holders[self._key] = count
+            return
+        del holders[self._key]
+        self._held = None
+        _run(_cursor(fairy), UNLOCK_SQL, (self._key,))  # raises for a lost lock
+        fairy.dbapi_connection.autocommit = False
+        if not holders:
+            self._connection.bind = self._engine
+            connection.close()
+
+
 def contract_floor_take(
     connection: Any, name: str, timeout: float
 ) -> Callable[[], Callable[[], None]]:
@@ -562,6 +704,82 @@ def django_contract_floor(sockets: Callable[[], list[int]]) -> Case:
         operation,
         twin=TWIN,
         sockets=sockets,
+    )
+
+
+def engine_contract_floor_take(
+    engine: Engine, name: str, timeout: float
+) -> Callable[[], Callable[[], None]]:
+    """``contract_floor_take`` on an Engine (``_EngineContractFloorLock``)."""
+    guard_engine(engine)
+
+    def take() -> Callable[[], None]:
+        lock = _EngineContractFloorLock(engine, name, timeout)
+        lock.__enter__()
+        return lock.release
+
+    return take
+
+
+def session_contract_floor_take(
+    session: Session, name: str, timeout: float
+) -> Callable[[], Callable[[], None]]:
+    """``contract_floor_take`` on a Session (``_SessionContractFloorLock``)."""
+    engine = session.get_bind()
+    assert isinstance(engine, Engine)
+    guard_engine(engine)
+
+    def take() -> Callable[[], None]:
+        lock = _SessionContractFloorLock(session, name, timeout)
+        lock.__enter__()
+        return lock.release
+
+    return take
+
+
+def engine_contract_floor(url: URL, stack: ExitStack) -> Case:
+    """The contract floor on an Engine."""
+    tracked = TrackedEngine(url, stack)
+    engine = guard_engine(tracked.engine)
+
+    def operation(watch: Stopwatch) -> None:
+        watch.start()
+        with _EngineContractFloorLock(engine, ENGINE_CONTRACT, TIMEOUT_SECONDS):
+            pass
+        watch.stop()
+
+    return Case(
+        ENGINE_CONTRACT,
+        "floor",
+        "by hand on an Engine: the contract floor's bookkeeping (holders counted in the "
+        "checkout's info, the unlock's answer checked, the pool guard at checkin) around "
+        "floor.engine.timeout's checkout, statements and checkin",
+        operation,
+        twin=TWIN,
+        sockets=tracked.sockets,
+    )
+
+
+def session_contract_floor(url: URL, stack: ExitStack) -> Case:
+    """The contract floor on a Session outside a transaction."""
+    tracked = TrackedEngine(url, stack)
+    session = Session(guard_engine(tracked.engine))
+    stack.callback(session.close)
+
+    def operation(watch: Stopwatch) -> None:
+        watch.start()
+        with _SessionContractFloorLock(session, SESSION_CONTRACT, TIMEOUT_SECONDS):
+            pass
+        watch.stop()
+
+    return Case(
+        SESSION_CONTRACT,
+        "floor",
+        "by hand on a Session: the contract floor's bookkeeping (as floor.engine.contract, "
+        "on the Session's lock connection) around floor.session.timeout's steps",
+        operation,
+        twin=TWIN,
+        sockets=tracked.sockets,
     )
 
 

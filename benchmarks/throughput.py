@@ -31,11 +31,13 @@ __all__ = ["THROUGHPUT_KINDS", "ThroughputResult", "run_throughput"]
 THROUGHPUT_KINDS = [
     "raw.timeout",
     "floor.engine.timeout",
+    "floor.engine.contract",
     "ours.engine.timeout",
     "floor.connection.timeout",
     "floor.connection.contract",
     "ours.connection.timeout",
     "floor.session.timeout",
+    "floor.session.contract",
     "ours.session.timeout",
     "floor.django.timeout",
     "floor.django.contract",

@@ -210,10 +210,12 @@ def library_cases(url: URL, stack: ExitStack) -> list[Case]:
     engine_case("ours.engine", None, "raw.lock+unlock")
     engine_floor = floors.engine_floor(url, stack)
     cases.append(engine_floor)
+    cases.append(floors.engine_contract_floor(url, stack))
     engine_case("ours.engine.timeout", TIMEOUT_SECONDS, TWIN, engine_floor.name)
 
     session_floor = floors.session_floor(url, stack)
     cases.append(session_floor)
+    cases.append(floors.session_contract_floor(url, stack))
 
     tracked = TrackedEngine(url, stack)
     session = Session(tracked.engine)
