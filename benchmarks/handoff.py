@@ -15,6 +15,7 @@ driver and library returning. CLOCK_MONOTONIC is one clock for all processes of 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, suppress
@@ -28,6 +29,7 @@ from psycopg.rows import TupleRow
 from sqlalchemy.engine import URL, make_url
 
 from benchmarks.clients import CLIENTS, Client, make_client
+from benchmarks.pinning import Pinning
 from benchmarks.postgres import raw_connection
 
 __all__ = ["HANDOFF_VARIANTS", "HandoffRun", "run_handoffs"]
@@ -66,7 +68,9 @@ def _clock() -> int:
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 
-def _waiter_process(kind: str, name: str, url: str, pipe: Connection, busy: Event) -> None:
+def _waiter_process(
+    kind: str, name: str, url: str, pipe: Connection, busy: Event, cpu: int | None
+) -> None:
     with ExitStack() as stack:
         try:
             client = make_client(kind, name, make_url(url), stack, on_busy=busy.set)
@@ -74,11 +78,16 @@ def _waiter_process(kind: str, name: str, url: str, pipe: Connection, busy: Even
             pipe.send(("error", repr(error)))
             return
         pipe.send(("ready", 0))
+        pinning = None if cpu is None else Pinning(make_url(url), cpu)
         while pipe.recv() == "go":
             try:
                 release = client.take()
                 acquired_at = _clock()
                 release()
+                if pinning is not None:
+                    # After the first (warm-up) trial: the client's connections are open.
+                    pinning.pin()
+                    pinning = None
             except BaseException as error:
                 pipe.send(("error", repr(error)))
                 return
@@ -140,7 +149,9 @@ class HandoffRun:
             self.process.kill()
 
 
-def start_runs(variants: list[tuple[str, str]], url: URL, stack: ExitStack) -> list[HandoffRun]:
+def start_runs(
+    variants: list[tuple[str, str]], url: URL, stack: ExitStack, waiter_cpu: int | None = None
+) -> list[HandoffRun]:
     context = multiprocessing.get_context("spawn")
     admin = raw_connection(url, stack).cursor()
     url_text = url.render_as_string(hide_password=False)
@@ -151,7 +162,7 @@ def start_runs(variants: list[tuple[str, str]], url: URL, stack: ExitStack) -> l
         busy = context.Event()
         process = context.Process(
             target=_waiter_process,
-            args=(kind, lock_name, url_text, there, busy),
+            args=(kind, lock_name, url_text, there, busy, waiter_cpu),
             name=f"waiter {name}",
             daemon=True,
         )
@@ -178,10 +189,33 @@ def run_handoffs(
     rounds: int,
     trials: int,
     slow_trials: int,
+    pin: bool = True,
     progress: Callable[[str], None] = lambda message: None,
-) -> dict[str, list[float]]:
-    """Latencies in seconds per variant, the variants interleaved round by round."""
-    runs = start_runs(variants, url, stack)
+) -> tuple[dict[str, list[float]], str]:
+    """Latencies in seconds per variant, the variants interleaved round by round, and how
+    the processes were pinned.
+
+    With ``pin`` (and two CPUs or more), the holders (this process) and their backends
+    run on one CPU and each waiter process and its backend on another, as a holder and a
+    waiter on two machines would: every handoff then takes the same path through the
+    scheduler (the holder's backend wakes the waiter's on the other CPU), instead of
+    whichever the scheduler picks, which moved a variant's median by 10% from one run to
+    the next. Each run's first trial is a warm-up, not counted: it opens the clients'
+    connections, whose backends are pinned after it."""
+    cpus = os.cpu_count() or 1
+    pinning = Pinning(url, 0) if pin and cpus > 1 else None
+    runs = start_runs(variants, url, stack, None if pinning is None else 1)
+    for run in runs:
+        run.trial()
+        run.latencies.clear()
+    if pinning is None:
+        described = "not pinned" + ("" if pin else " (--no-pin)")
+    else:
+        pinning.pin()
+        stack.callback(pinning.unpin)
+        described = (
+            "holders and their backends pinned to CPU 0, each waiter and its backends to CPU 1"
+        )
     for number in range(rounds):
         shift = number % len(runs)
         for run in [*runs[shift:], *runs[:shift]]:
@@ -190,7 +224,7 @@ def run_handoffs(
             for _ in range(total // rounds + (1 if number < total % rounds else 0)):
                 run.trial()
         progress(f"handoff round {number + 1}/{rounds} done")
-    return {run.name: run.latencies for run in runs}
+    return {run.name: run.latencies for run in runs}, described
 
 
 def descriptions() -> dict[str, str]:

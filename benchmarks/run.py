@@ -98,15 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     if len(variants) > 1 or _runs(arguments.only, "handoff", variants[0][0]):
         progress(f"handoff: {len(variants)} variants, waiters in their own processes")
         with ExitStack() as stack:
-            latencies = run_handoffs(
+            latencies, pinned = run_handoffs(
                 variants,
                 url,
                 stack,
                 rounds=arguments.rounds,
                 trials=arguments.handoff_trials,
                 slow_trials=arguments.polling_trials,
+                pin=not arguments.no_pin,
                 progress=progress,
             )
+        notes.append(f"handoff: {pinned}")
         handoff = handoff_results(latencies, handoff_descriptions(), variants[0][0])
     if _runs(arguments.only, "throughput", "throughput"):
         progress(f"throughput: {arguments.workers} worker processes")
@@ -190,7 +192,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-pin",
         action="store_true",
-        help="do not pin this process and its PostgreSQL backends to one CPU while timing",
+        help=(
+            "do not pin this process and its PostgreSQL backends to one CPU while timing, "
+            "nor the handoff's holders and waiters to a CPU each"
+        ),
     )
     parser.add_argument(
         "--docs",
