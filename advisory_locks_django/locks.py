@@ -27,16 +27,14 @@ from advisory_locks._core.connection import AbandonableWait, Holding
 from advisory_locks._core.contract import (
     Timeout,
     lock_options,
-    not_acquired_error,
 )
 from advisory_locks._core.executors import StatementRefused
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockLost,
-    LockNotAcquired,
     UnsupportedFeature,
 )
-from advisory_locks.keys import KeyScheme, LockName, derive_key
+from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
 from advisory_locks_django import signals
 from advisory_locks_django._binding import (
     DjangoConnectionLocks,
@@ -115,16 +113,11 @@ def advisory_lock(
     :raises LockNotAcquired: from ``with`` (and a decorated call), when the lock stayed
         busy for the whole timeout; ``LockTimeout`` when a timeout > 0 ran out.
     """
-    return DjangoAdvisoryLock(
-        name,
-        using=using,
-        timeout=timeout,
-        shared=shared,
-        transaction=transaction,
-        skip_if_locked=skip_if_locked,
-        key_scheme=key_scheme,
-        key_prefix=key_prefix,
-    )
+    # DjangoAdvisoryLock(name, using=using, ...), without the dict Python builds for the
+    # keyword arguments of a call to a class.
+    lock: DjangoAdvisoryLock = _new(DjangoAdvisoryLock)
+    lock._setup(name, using, timeout, shared, transaction, skip_if_locked, key_scheme, key_prefix)
+    return lock
 
 
 def current_advisory_locks(using: str = DEFAULT_DB_ALIAS) -> list[LockName]:
@@ -137,29 +130,23 @@ def current_advisory_locks(using: str = DEFAULT_DB_ALIAS) -> list[LockName]:
     return site_for_alias(using).held_names()
 
 
-class DjangoAdvisoryLock:
+class DjangoAdvisoryLock(AdvisoryLock):
     """What [advisory_lock][advisory_locks_django.advisory_lock] returns.
 
     Takes the same parameters as ``advisory_lock()``. Usable as ``with`` / ``async with``,
     as a decorator, or through ``acquire()`` / ``release()`` (``aacquire()`` /
     ``arelease()`` from async code). Re-entry on one connection is counted: the lock is
     released when the outermost holder releases it.
+
+    It is the core's [AdvisoryLock][advisory_locks.AdvisoryLock] on the alias's site,
+    with what Django code expects around it: one object per lock, not a wrapper around
+    another one, since a lock is made, taken and given back on every use.
     """
 
-    __slots__ = (
-        "_held",
-        "_lock",
-        "_name",
-        "_options",
-        "_site",
-        "key_prefix",
-        "key_scheme",
-        "shared",
-        "skip_if_locked",
-        "timeout",
-        "transaction",
-        "using",
-    )
+    __slots__ = ("_atomics", "_name", "key_prefix", "key_scheme", "skip_if_locked", "using")
+
+    # None for a decorator's lock, whose name comes from each call's arguments.
+    _atomics: list[django_transaction.Atomic | None] | None
 
     def __init__(
         self,
@@ -173,52 +160,65 @@ class DjangoAdvisoryLock:
         key_scheme: KeyScheme | None = None,
         key_prefix: str | int | None = None,
     ) -> None:
+        self._setup(
+            name, using, timeout, shared, transaction, skip_if_locked, key_scheme, key_prefix
+        )
+
+    def _setup(
+        self,
+        name: NameSpec,
+        using: str,
+        timeout: Timeout | _Default,
+        shared: bool,
+        transaction: bool | _Default,
+        skip_if_locked: bool,
+        key_scheme: KeyScheme | None,
+        key_prefix: str | int | None,
+    ) -> None:
         defaults = lock_settings()
         if not isinstance(using, str):
             raise TypeError(f"using must be a database alias, not {type(using).__name__}")
         self.using = using
-        self._options = options = lock_options(
+        options = lock_options(
             defaults.timeout if timeout is DEFAULT else timeout,
             shared,
             defaults.transaction if transaction is DEFAULT else transaction,
             timeout_first=True,
         )
-        self.timeout = options.timeout
-        self.transaction = options.transaction
         if not isinstance(skip_if_locked, bool):
             raise TypeError("skip_if_locked must be True or False")
-        self.shared = shared
         self.skip_if_locked = skip_if_locked
-        self.key_scheme = defaults.key_scheme if key_scheme is None else key_scheme
-        self.key_prefix = defaults.key_prefix if key_prefix is None else key_prefix
+        self.key_scheme = scheme = defaults.key_scheme if key_scheme is None else key_scheme
+        self.key_prefix = prefix = defaults.key_prefix if key_prefix is None else key_prefix
         self._name = name
-        # Per holder (re-entry adds one): the registry and holding it counts on, and the
-        # atomic() block its acquire opened (transaction=True outside one), if any.
-        self._held: list[tuple[DjangoConnectionLocks, Holding, django_transaction.Atomic | None]]
-        self._held = []
-        self._lock: AdvisoryLock | None = None
-        self._site = site_for_alias(using)
-        if not callable(name):
-            # Bad names and options fail here, before any SQL.
-            self._lock = self._core_lock(name)
+        site = site_for_alias(using)
+        if callable(name):
+            # A decorator's, with no key of its own (key_info stays unset): each call
+            # makes its own lock from the call's arguments.
+            self._atomics = None
+            self._site = site
+            self.options = options
+            self._count = 0
+            self._owner = None
+            self._borrowed = self._holding = None
+            return
+        # Per holder (re-entry adds one): the atomic() block its acquire opened
+        # (transaction=True outside one), or None.
+        self._atomics = []
+        # Bad names and options fail here, before any SQL.
+        AdvisoryLock.__init__(self, site, derive_key(name, scheme=scheme, prefix=prefix), options)
 
     # -- the lock -------------------------------------------------------------------------
 
     @property
     def name(self) -> LockName:
         """The lock's name, as given."""
-        return self._core().name
+        return self._key_info().name
 
     @property
     def key(self) -> int | tuple[int, int]:
         """The key(s) the server sees."""
-        return self._core().key
-
-    @property
-    def held(self) -> bool:
-        """Whether this object holds the lock (as far as the library knows; see
-        ``ensure_held()`` to ask the server)."""
-        return self._lock is not None and self._lock.held
+        return self._key_info().value
 
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout.
@@ -226,9 +226,11 @@ class DjangoAdvisoryLock:
         :raises LockDeadlock: when the server detected a deadlock.
         :raises UnsupportedFeature: when the database cannot honour the options.
         """
-        lock = self._lock or self._core()
+        atomics = self._atomics
+        if atomics is None:
+            raise _decorator_only()
         atomic = None
-        if self.transaction and not (wrapper := connections[self.using]).in_atomic_block:
+        if self.options.transaction and not (wrapper := connections[self.using]).in_atomic_block:
             if not wrapper.get_autocommit():
                 raise UnsupportedFeature(
                     "transaction=True needs atomic(): manual transaction management "
@@ -238,11 +240,11 @@ class DjangoAdvisoryLock:
             atomic.__enter__()
         try:
             try:
-                granted = lock.acquire()
+                granted = AdvisoryLock.acquire(self)
             except DatabaseError as error:
                 if self._connection_gone(error):
                     raise AdvisoryLockError(
-                        f"could not take advisory lock {lock.name!r}: the connection to "
+                        f"could not take advisory lock {self.name!r}: the connection to "
                         f"database {self.using!r} failed ({error}); Django opens a new one "
                         "at its next use"
                     ) from error
@@ -255,10 +257,7 @@ class DjangoAdvisoryLock:
             if atomic is not None:
                 atomic.__exit__(None, None, None)
             return False
-        held = lock.held_on
-        assert held is not None
-        locks, holding = held
-        self._held.append((locks, holding, atomic))
+        atomics.append(atomic)
         return True
 
     def release(self) -> None:
@@ -270,20 +269,30 @@ class DjangoAdvisoryLock:
 
         One round trip on the lock's connection: call it before an irreversible step.
         """
+        if self._atomics is None:
+            raise _decorator_only()
+        held = self._held_on()
         try:
-            self._core().ensure_held()
+            AdvisoryLock.ensure_held(self)
         except LockLost as error:
-            if not self._held:
+            if held is None:
                 raise
-            locks, holding, _ = self._held[-1]
+            locks, holding = held
             locks.released(holding, "lost")
             raise self._lost(locks, holding, error) from error.__cause__
         except DatabaseError as error:
-            if not self._held or not self._connection_gone(error):
+            if held is None or not self._connection_gone(error):
                 raise
-            locks, holding, _ = self._held[-1]
+            locks, holding = held
             locks.released(holding, "lost")
             raise self._lost_connection(error) from error
+
+    def _held_on(self) -> tuple[DjangoConnectionLocks, Holding] | None:
+        """The registry and holding this object's holders count on, while it holds them."""
+        borrowed, holding = self._borrowed, self._holding
+        if not self._atomics or borrowed is None or holding is None:
+            return None
+        return borrowed.state, holding  # type: ignore[return-value]
 
     def _release(
         self,
@@ -291,14 +300,18 @@ class DjangoAdvisoryLock:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        lock = self._lock or self._core()
-        if not self._held:
-            lock.release()  # raises the core's "not held" error
+        atomics = self._atomics
+        if atomics is None:
+            raise _decorator_only()
+        borrowed, holding = self._borrowed, self._holding
+        if not atomics or borrowed is None or holding is None:
+            AdvisoryLock.release(self)  # raises the core's "not held" error
             return
-        locks, holding, atomic = self._held.pop()
+        locks: DjangoConnectionLocks = borrowed.state  # type: ignore[assignment]
+        atomic = atomics.pop()
         try:
             try:
-                lock.release()
+                AdvisoryLock.release(self)
             except LockLost as error:
                 locks.released(holding, "lost")
                 raise self._lost(locks, holding, error) from error.__cause__
@@ -316,9 +329,9 @@ class DjangoAdvisoryLock:
             ):
                 locks.released(holding, "unlock")
         except StatementRefused:
-            # Refused unsent (a psycopg pipeline): still held, by the server and the
-            # core lock, to be released again.
-            self._held.append((locks, holding, atomic))
+            # Refused unsent (a psycopg pipeline): still held, by the server and this
+            # object, to be released again.
+            atomics.append(atomic)
             raise
         except BaseException as error:
             if atomic is not None:
@@ -486,12 +499,7 @@ class DjangoAdvisoryLock:
             raise self._not_acquired()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.arelease()
 
     def _refuse_async_transaction(self) -> None:
@@ -512,15 +520,20 @@ class DjangoAdvisoryLock:
         the same arguments as the function and returns the name.
         """
         name_for = _name_factory(self._name, function)
-        make_lock = functools.partial(
-            DjangoAdvisoryLock,
-            using=self.using,
-            timeout=self.timeout,
-            shared=self.shared,
-            transaction=self.transaction,
-            key_scheme=self.key_scheme,
-            key_prefix=self.key_prefix,
+        using, timeout, shared, transaction = (
+            self.using,
+            self.timeout,
+            self.shared,
+            self.transaction,
         )
+        scheme, prefix = self.key_scheme, self.key_prefix
+
+        def make_lock(name: LockName) -> DjangoAdvisoryLock:
+            # As advisory_lock() makes one: positional, no keyword dict.
+            lock: DjangoAdvisoryLock = _new(DjangoAdvisoryLock)
+            lock._setup(name, using, timeout, shared, transaction, False, scheme, prefix)
+            return lock
+
         skip = self.skip_if_locked
 
         if inspect.iscoroutinefunction(function):
@@ -559,25 +572,25 @@ class DjangoAdvisoryLock:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _core(self) -> AdvisoryLock:
-        if self._lock is None:
-            raise TypeError(
-                "this lock's name is computed from a function's arguments; use it as a decorator"
-            )
-        return self._lock
-
-    def _core_lock(self, name: LockName) -> AdvisoryLock:
-        key = derive_key(name, scheme=self.key_scheme, prefix=self.key_prefix)
-        return AdvisoryLock(self._site, key, self._options)
-
-    def _not_acquired(self) -> LockNotAcquired:
-        return not_acquired_error(self.name, self.timeout)
+    def _key_info(self) -> LockKey:
+        if self._atomics is None:
+            raise _decorator_only()
+        return self.key_info
 
     def __repr__(self) -> str:
-        if self._lock is None:
+        if self._atomics is None:
             return f"<DjangoAdvisoryLock {self._name!r} using={self.using!r}>"
         state = "held" if self.held else "not held"
         return f"<DjangoAdvisoryLock {self.name!r} key={self.key!r} using={self.using!r} {state}>"
+
+
+_new = object.__new__
+
+
+def _decorator_only() -> TypeError:
+    return TypeError(
+        "this lock's name is computed from a function's arguments; use it as a decorator"
+    )
 
 
 def _name_factory(

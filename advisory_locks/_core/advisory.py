@@ -188,15 +188,6 @@ class AdvisoryLock(LockContract):
         """The holding this object counts on while it holds the lock."""
         return self._holding if self._count else None
 
-    @property
-    def held_on(self) -> tuple[Any, Holding] | None:
-        """The connection state and the holding this object counts on while it holds the
-        lock (for bindings that keep their own record of it, as Django's does)."""
-        holding, borrowed = self._holding, self._borrowed
-        if not self._count or holding is None or borrowed is None:
-            return None
-        return borrowed.state, holding
-
     def acquire(self) -> bool:
         """Take the lock; False when it stayed busy for the whole timeout."""
         # Blocking calls directly, no step driver between the lock and its connection;

@@ -13,8 +13,9 @@ from django.db import connection, connections, transaction
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 
-from advisory_locks import LockUsageError
+from advisory_locks import AdvisoryLock, LockUsageError
 from advisory_locks_django import (
+    DjangoAdvisoryLock,
     LockLost,
     LockNotAcquired,
     LockTimeout,
@@ -114,6 +115,49 @@ def test_options_valid_once_do_not_vouch_for_lookalikes_of_another_type() -> Non
         advisory_lock("x", transaction=0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="timeout"):
         advisory_lock("x", timeout=[1])  # type: ignore[arg-type]
+
+
+def test_the_class_made_directly_is_the_lock_advisory_lock_returns(admin: Admin) -> None:
+    # advisory_lock() builds its object without calling the class; both ways must give
+    # the same lock, and it is the core's AdvisoryLock.
+    name = unique_name()
+    direct = DjangoAdvisoryLock(name, timeout=0, key_prefix="app")
+    made = advisory_lock(name, timeout=0, key_prefix="app")
+    assert isinstance(made, DjangoAdvisoryLock)
+    assert isinstance(direct, AdvisoryLock)
+    assert (direct.name, direct.key, direct.timeout, direct.using) == (
+        made.name,
+        made.key,
+        made.timeout,
+        made.using,
+    )
+    with direct:
+        assert direct.held
+        assert holders(admin, name, prefix="app") == [server_pid()]
+        assert in_thread(made.acquire) is False
+    assert not direct.held
+    with pytest.raises(ValueError, match="timeout"):
+        DjangoAdvisoryLock("x", timeout=-1)
+    with pytest.raises(TypeError, match="alias"):
+        DjangoAdvisoryLock("x", using=1)  # type: ignore[arg-type]
+
+
+def test_a_lock_named_by_a_function_only_decorates(admin: Admin) -> None:
+    lock = DjangoAdvisoryLock(lambda account: f"account-{account}")
+    assert "using='default'" in repr(lock)
+    assert not lock.held
+    for use in (lock.acquire, lock.release, lock.ensure_held, lambda: lock.name):
+        with pytest.raises(TypeError, match="decorator"):
+            use()
+    with pytest.raises(TypeError, match="decorator"), lock:
+        pass
+    name = unique_name()
+
+    @advisory_lock(lambda account: f"{name}-{account}")
+    def job(account: int) -> list[int]:
+        return holders(admin, f"{name}-{account}")
+
+    assert job(7) == [server_pid()]
 
 
 def test_current_advisory_locks_lists_the_names_this_connection_holds() -> None:
