@@ -199,9 +199,9 @@ def run_handoffs(
     run on one CPU and each waiter process and its backend on another, as a holder and a
     waiter on two machines would: every handoff then takes the same path through the
     scheduler (the holder's backend wakes the waiter's on the other CPU), instead of
-    whichever the scheduler picks, which moved a variant's median by 10% from one run to
-    the next. Each run's first trial is a warm-up, not counted: it opens the clients'
-    connections, whose backends are pinned after it."""
+    whichever the scheduler picks. A variant's median still moves by up to 0.2x of the
+    raw one from run to run, pinned or not. Each run's first trial is a warm-up, not
+    counted: it opens the clients' connections, whose backends are pinned after it."""
     cpus = os.cpu_count() or 1
     pinning = Pinning(url, 0) if pin and cpus > 1 else None
     runs = start_runs(variants, url, stack, None if pinning is None else 1)
