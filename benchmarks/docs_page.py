@@ -65,7 +65,10 @@ def render(report: Report, arguments: list[str]) -> str:
             "written by hand against SQLAlchemy, Django and psycopg with the twin's two "
             "statements. Its `cpu x twin` is what the bind itself costs, which no library "
             "on that bind can go below; `cpu x bind floor` of a library case is what the "
-            "library adds on top.",
+            "library adds on top. A `floor.*.contract` row is that bind's contract floor: "
+            "the bind floor plus the least bookkeeping the lock contract demands (the "
+            "name's key, holders counted per connection, the unlock's answer checked, the "
+            "pool guard), the least a lock keeping the contract does on that bind.",
             "",
             "| case | median µs | p90 µs | cpu µs | cpu x twin | cpu x bind floor "
             "| wall x twin | round trips | twin | bind floor |",
@@ -84,8 +87,8 @@ def render(report: Report, arguments: list[str]) -> str:
         lines += [
             "**Handoff** from the holder's release call to the blocked waiter's acquire "
             "returning, the waiter in its own process. A `floor.*` row is that bind's floor "
-            "holding between its acquire and release: the handoff the bind itself allows, "
-            "which no library on it can beat.",
+            "(or contract floor) holding between its acquire and release: the handoff the "
+            "bind itself allows, which no library on it can beat.",
             "",
             "| case | p50 ms | p90 ms | p99 ms | p50 x raw |",
             "| --- | ---: | ---: | ---: | ---: |",
@@ -101,8 +104,8 @@ def render(report: Report, arguments: list[str]) -> str:
         lines += [
             f"**Throughput**, {workers} worker processes, acquire + release per second "
             "(`x raw` against raw SQL with a timeout, the ratio taken per round). A "
-            "`floor.*` row is the floor of the bind in the row below it: the throughput the "
-            "bind itself allows, which no library on it can exceed.",
+            "`floor.*` row is the floor (or contract floor) of the bind of the next `ours` "
+            "row: the throughput the bind itself allows, which no library on it can exceed.",
             "",
             "| case | one key | x raw | distinct keys | x raw |",
             "| --- | ---: | ---: | ---: | ---: |",
