@@ -453,6 +453,8 @@ class _DjangoContractFloorLock:
     __slots__ = ("_alias", "_key", "_timeout_ms", "_wrapper")
 
     def __init__(self, name: str, timeout: float, alias: str = "default") -> None:
+        # _ContractFloorLock.__init__'s checks and key lookup, written out: calling it
+        # would add a call per lock to a floor that must be the least a lock can do.
         if name.__class__ is not str or not name:
             raise TypeError("name")
         keys = _ContractFloorLock._keys
