@@ -207,27 +207,33 @@ def make_client(
     raise ValueError(f"unknown client {kind!r}; one of {sorted(CLIENTS)}")
 
 
-def _floor_take(kind: str, name: str, key: int, url: URL, stack: ExitStack) -> Take:
-    """A bind floor as a client, waiting in the server as ours does, on the same key."""
-    if kind == "floor.psycopg.contract":
-        return floors.contract_floor_take(raw_connection(url, stack), name, WAIT_SECONDS)
-    if kind == floors.CONNECTION_CONTRACT:
-        engine = create_engine(url)
-        stack.callback(engine.dispose)
-        connection = engine.connect()
-        stack.callback(connection.close)
-        return floors.connection_contract_floor_take(connection, name, WAIT_SECONDS)
-    if kind in (floors.ENGINE_CONTRACT, floors.SESSION_CONTRACT):
-        engine = create_engine(url)
-        stack.callback(engine.dispose)
-        if kind == floors.ENGINE_CONTRACT:
-            return floors.engine_contract_floor_take(engine, name, WAIT_SECONDS)
-        session = Session(engine)
-        stack.callback(session.close)
-        return floors.session_contract_floor_take(session, name, WAIT_SECONDS)
+def _contract_bind(kind: str, url: URL, stack: ExitStack) -> Any:
+    """What contract floor ``kind`` locks on, opened for one client."""
+    if kind == floors.PSYCOPG_CONTRACT:
+        return raw_connection(url, stack)
     if kind == floors.DJANGO_CONTRACT:
         setup_django(url)
-        return floors.django_contract_floor_take(name, WAIT_SECONDS)
+        return "default"
+    engine = create_engine(url)
+    stack.callback(engine.dispose)
+    if kind == floors.CONNECTION_CONTRACT:
+        connection = engine.connect()
+        stack.callback(connection.close)
+        return connection
+    floors.guard_engine(engine)
+    if kind == floors.ENGINE_CONTRACT:
+        return engine
+    session = Session(engine)
+    stack.callback(session.close)
+    return session
+
+
+def _floor_take(kind: str, name: str, key: int, url: URL, stack: ExitStack) -> Take:
+    """A bind floor as a client, waiting in the server as ours does, on the same key."""
+    if kind.endswith(".contract"):
+        return floors.contract_floor_take(
+            kind, _contract_bind(kind, url, stack), name, WAIT_SECONDS
+        )
     floor: floors.FloorLock
     if kind == "floor.django.timeout":
         setup_django(url)

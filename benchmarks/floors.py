@@ -50,6 +50,7 @@ __all__ = [
     "CONNECTION_CONTRACT",
     "DJANGO_CONTRACT",
     "ENGINE_CONTRACT",
+    "PSYCOPG_CONTRACT",
     "SESSION_CONTRACT",
     "ConnectionFloor",
     "DjangoFloor",
@@ -57,19 +58,15 @@ __all__ = [
     "FloorLock",
     "SessionFloor",
     "connection_contract_floor",
-    "connection_contract_floor_take",
     "connection_floor",
     "contract_floor_take",
     "django_contract_floor",
-    "django_contract_floor_take",
     "django_floor",
     "engine_contract_floor",
-    "engine_contract_floor_take",
     "engine_floor",
     "guard_engine",
     "psycopg_contract_floor",
     "session_contract_floor",
-    "session_contract_floor_take",
     "session_floor",
 ]
 
@@ -78,6 +75,7 @@ CURSOR_INFO_KEY = "benchmarks.floor_cursor"
 IDLE = TransactionStatus.IDLE
 TIMEOUT_MS = str(TIMEOUT_SECONDS * 1000)
 CONNECTION_CONTRACT = "floor.connection.contract"
+PSYCOPG_CONTRACT = "floor.psycopg.contract"
 DJANGO_CONTRACT = "floor.django.contract"
 ENGINE_CONTRACT = "floor.engine.contract"
 SESSION_CONTRACT = "floor.session.contract"
@@ -452,7 +450,7 @@ class _DjangoContractFloorLock:
 
     __slots__ = ("_alias", "_key", "_timeout_ms", "_wrapper")
 
-    def __init__(self, name: str, timeout: float, alias: str = "default") -> None:
+    def __init__(self, alias: str, name: str, timeout: float) -> None:
         # _ContractFloorLock.__init__'s checks and key lookup, written out: calling it
         # would add a call per lock to a floor that must be the least a lock can do.
         if name.__class__ is not str or not name:
@@ -649,116 +647,70 @@ class _SessionContractFloorLock(_ContractFloorLock):
             connection.close()
 
 
+# Each contract floor's lock class, by its case name; each takes (bind, name, timeout).
+_CONTRACT_LOCKS: dict[str, Callable[[Any, str, float], Any]] = {
+    PSYCOPG_CONTRACT: _ContractFloorLock,
+    CONNECTION_CONTRACT: _ConnectionContractFloorLock,
+    ENGINE_CONTRACT: _EngineContractFloorLock,
+    SESSION_CONTRACT: _SessionContractFloorLock,
+    DJANGO_CONTRACT: _DjangoContractFloorLock,
+}
+
+
 def contract_floor_take(
-    connection: Any, name: str, timeout: float
+    kind: str, bind: Any, name: str, timeout: float
 ) -> Callable[[], Callable[[], None]]:
-    """The contract floor for a client that holds the lock between acquire and release:
-    ``take()`` builds the lock object and enters it, and returns what leaves it."""
+    """Contract floor ``kind`` on ``bind`` (an Engine or a Session's engine guarded by
+    ``guard_engine``; Django: the alias) for a client that holds the lock between acquire
+    and release: ``take()`` builds the lock object and enters it, and returns what
+    leaves it."""
+    make = _CONTRACT_LOCKS[kind]
 
     def take() -> Callable[[], None]:
-        lock = _ContractFloorLock(connection, name, timeout)
+        lock = make(bind, name, timeout)
         lock.__enter__()
-        return lock.release
+        release: Callable[[], None] = lock.release
+        return release
 
     return take
 
 
-def connection_contract_floor_take(
-    connection: SAConnection, name: str, timeout: float
-) -> Callable[[], Callable[[], None]]:
-    """``contract_floor_take`` on a SQLAlchemy Connection (``_ConnectionContractFloorLock``)."""
+def _contract_case(kind: str, description: str, bind: Any, sockets: Any) -> Case:
+    """The uncontended case of contract floor ``kind`` on ``bind``."""
+    make = _CONTRACT_LOCKS[kind]
 
-    def take() -> Callable[[], None]:
-        lock = _ConnectionContractFloorLock(connection, name, timeout)
-        lock.__enter__()
-        return lock.release
+    def operation(watch: Stopwatch) -> None:
+        watch.start()
+        with make(bind, kind, TIMEOUT_SECONDS):
+            pass
+        watch.stop()
 
-    return take
-
-
-def django_contract_floor_take(name: str, timeout: float) -> Callable[[], Callable[[], None]]:
-    """``contract_floor_take`` on Django's default connection (``_DjangoContractFloorLock``)."""
-
-    def take() -> Callable[[], None]:
-        lock = _DjangoContractFloorLock(name, timeout)
-        lock.__enter__()
-        return lock.release
-
-    return take
+    return Case(kind, "floor", description, operation, twin=TWIN, sockets=sockets)
 
 
 def django_contract_floor(sockets: Callable[[], list[int]]) -> Case:
     """The contract floor on Django's default connection (configured by the caller)."""
-
-    def operation(watch: Stopwatch) -> None:
-        watch.start()
-        with _DjangoContractFloorLock(DJANGO_CONTRACT, TIMEOUT_SECONDS):
-            pass
-        watch.stop()
-
-    return Case(
+    return _contract_case(
         DJANGO_CONTRACT,
-        "floor",
         "by hand on Django's connection: the contract floor's bookkeeping (as "
         "floor.psycopg.contract, holders kept on the connection wrapper for its DB-API "
         "connection, a lock taken in a request noted) around floor.django.timeout's "
         "statements",
-        operation,
-        twin=TWIN,
-        sockets=sockets,
+        "default",
+        sockets,
     )
-
-
-def engine_contract_floor_take(
-    engine: Engine, name: str, timeout: float
-) -> Callable[[], Callable[[], None]]:
-    """``contract_floor_take`` on an Engine (``_EngineContractFloorLock``)."""
-    guard_engine(engine)
-
-    def take() -> Callable[[], None]:
-        lock = _EngineContractFloorLock(engine, name, timeout)
-        lock.__enter__()
-        return lock.release
-
-    return take
-
-
-def session_contract_floor_take(
-    session: Session, name: str, timeout: float
-) -> Callable[[], Callable[[], None]]:
-    """``contract_floor_take`` on a Session (``_SessionContractFloorLock``)."""
-    engine = session.get_bind()
-    assert isinstance(engine, Engine)
-    guard_engine(engine)
-
-    def take() -> Callable[[], None]:
-        lock = _SessionContractFloorLock(session, name, timeout)
-        lock.__enter__()
-        return lock.release
-
-    return take
 
 
 def engine_contract_floor(url: URL, stack: ExitStack) -> Case:
     """The contract floor on an Engine."""
     tracked = TrackedEngine(url, stack)
-    engine = guard_engine(tracked.engine)
-
-    def operation(watch: Stopwatch) -> None:
-        watch.start()
-        with _EngineContractFloorLock(engine, ENGINE_CONTRACT, TIMEOUT_SECONDS):
-            pass
-        watch.stop()
-
-    return Case(
+    return _contract_case(
         ENGINE_CONTRACT,
-        "floor",
         "by hand on an Engine: the contract floor's bookkeeping (holders counted in the "
         "checkout's info, the unlock's answer checked, the pool guard at checkin) around "
         "floor.engine.timeout's checkout, statements and checkin",
-        operation,
-        twin=TWIN,
-        sockets=tracked.sockets,
+        guard_engine(tracked.engine),
+        tracked.sockets,
     )
 
 
@@ -767,21 +719,12 @@ def session_contract_floor(url: URL, stack: ExitStack) -> Case:
     tracked = TrackedEngine(url, stack)
     session = Session(guard_engine(tracked.engine))
     stack.callback(session.close)
-
-    def operation(watch: Stopwatch) -> None:
-        watch.start()
-        with _SessionContractFloorLock(session, SESSION_CONTRACT, TIMEOUT_SECONDS):
-            pass
-        watch.stop()
-
-    return Case(
+    return _contract_case(
         SESSION_CONTRACT,
-        "floor",
         "by hand on a Session: the contract floor's bookkeeping (as floor.engine.contract, "
         "on the Session's lock connection) around floor.session.timeout's steps",
-        operation,
-        twin=TWIN,
-        sockets=tracked.sockets,
+        session,
+        tracked.sockets,
     )
 
 
@@ -790,41 +733,23 @@ def connection_contract_floor(url: URL, stack: ExitStack) -> Case:
     tracked = TrackedEngine(url, stack)
     connection = tracked.engine.connect()
     stack.callback(connection.close)
-
-    def operation(watch: Stopwatch) -> None:
-        watch.start()
-        with _ConnectionContractFloorLock(connection, CONNECTION_CONTRACT, TIMEOUT_SECONDS):
-            pass
-        watch.stop()
-
-    return Case(
+    return _contract_case(
         CONNECTION_CONTRACT,
-        "floor",
         "by hand on a Connection outside a transaction: the contract floor's bookkeeping "
         "(as floor.psycopg.contract) around floor.connection.timeout's statements",
-        operation,
-        twin=TWIN,
-        sockets=tracked.sockets,
+        connection,
+        tracked.sockets,
     )
 
 
 def psycopg_contract_floor(connection: Any, sockets: Any) -> Case:
     """The contract floor of a raw psycopg connection in autocommit (``_ContractFloorLock``)."""
-
-    def operation(watch: Stopwatch) -> None:
-        watch.start()
-        with _ContractFloorLock(connection, "floor.psycopg.contract", TIMEOUT_SECONDS):
-            pass
-        watch.stop()
-
-    return Case(
-        "floor.psycopg.contract",
-        "floor",
+    return _contract_case(
+        PSYCOPG_CONTRACT,
         "by hand on a raw psycopg connection: the least a lock keeping the contract does "
         "(a lock object, the name's cached key, holders counted per connection, the "
         "connection's closed and transaction state read before each statement) around the "
         "twin's two statements",
-        operation,
-        twin=TWIN,
-        sockets=sockets,
+        connection,
+        sockets,
     )
