@@ -26,11 +26,13 @@ def database_url() -> URL:
 
 
 def raw_connection(
-    url: URL, stack: ExitStack, *, autocommit: bool = True
+    url: URL, stack: ExitStack, *, autocommit: bool = True, **options: Any
 ) -> psycopg.Connection[TupleRow]:
+    """A psycopg connection to ``url``, closed with ``stack``; ``options`` go to
+    ``psycopg.connect`` (``prepare_threshold=None``, say)."""
     arguments: dict[str, Any] = url.translate_connect_args(username="user", database="dbname")
     arguments.update((key, value) for key, value in url.query.items() if isinstance(value, str))
-    connection = psycopg.connect(**arguments, autocommit=autocommit)
+    connection = psycopg.connect(**arguments, **options, autocommit=autocommit)
     stack.callback(connection.close)
     return connection
 

@@ -24,20 +24,13 @@ from typing import Any
 import psycopg
 
 from benchmarks.pinning import Pinning
-from benchmarks.postgres import database_url
+from benchmarks.postgres import database_url, raw_connection
 from benchmarks.uncontended import RAW_KEY_BASE, TIMEOUT_LOCK_SQL, TIMEOUT_SECONDS, UNLOCK_SQL
 
 __all__ = ["main"]
 
 KEY = RAW_KEY_BASE + 90
 TIMEOUT_MS = str(TIMEOUT_SECONDS * 1000)
-
-
-def _connect(url: Any, stack: ExitStack, prepare_threshold: int | None) -> psycopg.Cursor[Any]:
-    arguments: dict[str, Any] = url.translate_connect_args(username="user", database="dbname")
-    connection = psycopg.connect(**arguments, autocommit=True, prepare_threshold=prepare_threshold)
-    stack.callback(connection.close)
-    return psycopg.Cursor(connection)
 
 
 def _round(cursor: psycopg.Cursor[Any], key: int, ops: int) -> tuple[float, float]:
@@ -59,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     url = database_url()
     with ExitStack() as stack:
         cursors = {
-            "prepared (the twin)": _connect(url, stack, 0),
-            "unprepared (prepare_threshold=None)": _connect(url, stack, None),
+            "prepared (the twin)": psycopg.Cursor(raw_connection(url, stack, prepare_threshold=0)),
+            "unprepared (prepare_threshold=None)": psycopg.Cursor(
+                raw_connection(url, stack, prepare_threshold=None)
+            ),
         }
         pinning = Pinning(url)
         pinning.pin()
