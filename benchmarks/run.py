@@ -117,7 +117,18 @@ def main(argv: list[str] | None = None) -> int:
             workers=arguments.workers,
             seconds=arguments.throughput_seconds,
             rounds=arguments.throughput_rounds,
+            slots=arguments.throughput_slots,
+            pin=not arguments.no_pin,
             progress=progress,
+        )
+        notes.append(
+            "throughput: "
+            + (
+                "not pinned (--no-pin)"
+                if arguments.no_pin
+                else "each worker and its backends pinned to one CPU (worker i to CPU i mod "
+                f"{os.cpu_count() or 1})"
+            )
         )
     if _runs(arguments.only, "scale", "scale"):
         try:
@@ -136,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             "polling_trials": arguments.polling_trials,
             "workers": arguments.workers,
             "throughput_seconds": arguments.throughput_seconds,
+            "throughput_slots": arguments.throughput_slots,
+            "throughput_rounds": arguments.throughput_rounds,
         },
         floor=FLOOR,
         uncontended=uncontended,
@@ -194,7 +207,8 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=(
             "do not pin this process and its PostgreSQL backends to one CPU while timing, "
-            "nor the handoff's holders and waiters to a CPU each"
+            "nor the handoff's holders and waiters to a CPU each, nor each throughput "
+            "worker and its backends to a CPU"
         ),
     )
     parser.add_argument(
@@ -217,10 +231,19 @@ def _parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=4, help="throughput worker processes (default 4)"
     )
     parser.add_argument(
-        "--throughput-seconds", type=float, default=0.5, help="length of one throughput sample"
+        "--throughput-seconds",
+        type=float,
+        default=0.5,
+        help="seconds of a case, and as many of the raw reference, per round (default 0.5)",
     )
     parser.add_argument(
-        "--throughput-rounds", type=int, default=5, help="interleaved throughput rounds"
+        "--throughput-slots",
+        type=int,
+        default=10,
+        help="turns a case and the reference take within a round, each (default 10)",
+    )
+    parser.add_argument(
+        "--throughput-rounds", type=int, default=9, help="throughput rounds (default 9)"
     )
     parser.add_argument(
         "--chart",

@@ -2,27 +2,33 @@
 
 "one key": every worker contends for the same lock, so the figure is bounded by how fast
 the server hands it from one to the next. "many keys": each worker has its own lock, so
-it is bounded by each client's own cost. Every worker is a process (no shared GIL); they
-start together at an agreed CLOCK_MONOTONIC instant and stop at another, and the
-operations they finished in between are added up. Variants are interleaved round by
-round, and every case runs right after a run of the raw reference with the same keys:
-its ratio is taken against that run, never against one a minute away.
+it is bounded by each client's own cost. Every worker is a process (no shared GIL).
+
+A case is always measured against the raw reference in the same stretch of time: every
+worker builds both clients, then they all run them in turns of short slots that start
+and stop at agreed CLOCK_MONOTONIC instants, in the order reference, case, case,
+reference, reference, case, ... (so a machine that speeds up or slows down over the
+stretch weighs on both alike), and the round's ratio is the case's operations over the
+reference's. On a shared VM the machine's speed drifts over seconds; a reference run
+half a second away from its case already differs from it by 0.1x or more.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import statistics
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from sqlalchemy.engine import URL, make_url
 
 from benchmarks.clients import make_client
+from benchmarks.pinning import Pinning
 
 __all__ = ["THROUGHPUT_KINDS", "ThroughputResult", "run_throughput"]
 
@@ -56,36 +62,44 @@ def _clock() -> int:
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
 
 
-def _worker(url: str, pipe: Connection) -> None:
+def _worker(url: str, pipe: Connection, cpu: int | None) -> None:
+    pinning = None if cpu is None else Pinning(make_url(url), cpu)
     while True:
         command = pipe.recv()
         if command is None:
             return
-        kind, name = command
         try:
             with ExitStack() as stack:
-                client = make_client(kind, name, make_url(url), stack)
-                client.take()()  # connect and warm up before the start
+                takes = []
+                for kind, name in command:
+                    take = make_client(kind, name, make_url(url), stack).take
+                    take()()  # connect and warm up before the start
+                    takes.append(take)
+                if pinning is not None:
+                    pinning.pin()  # this worker and its backends on its CPU
                 pipe.send(("built", 0))
-                start_at, stop_at = pipe.recv()
-                while _clock() < start_at:
-                    time.sleep(0.0005)
-                operations = 0
-                while _clock() < stop_at:
-                    client.take()()
-                    operations += 1
-            pipe.send(("done", operations))
+                counts = []
+                for side, start_at, stop_at in pipe.recv():
+                    take = takes[side]
+                    while _clock() < start_at:  # only the first slot waits
+                        time.sleep(0.0005)
+                    operations = 0
+                    while _clock() < stop_at:
+                        take()()
+                        operations += 1
+                    counts.append(operations)
+            pipe.send(("done", counts))
         except BaseException as error:
             pipe.send(("error", repr(error)))
 
 
-def _answer(pipe: Connection, expected: str, what: str, seconds: float) -> int:
+def _answer(pipe: Connection, expected: str, what: str, seconds: float) -> Any:
     if not pipe.poll(seconds):
         raise RuntimeError(f"throughput {what}: a worker did not answer")
     answer, value = pipe.recv()
     if answer != expected:
         raise RuntimeError(f"throughput {what}: a worker failed: {value}")
-    return int(value)
+    return value
 
 
 @dataclass
@@ -98,6 +112,21 @@ class ThroughputResult:
     rounds: list[float]
     ops_per_second: float
     ratio_to_raw: float | None
+    # The ratio to the reference, one figure per round (empty for the reference).
+    round_ratios: list[float] = field(default_factory=list)
+
+
+def slot_plan(start_at: int, seconds: float, slots: int) -> list[tuple[int, int, int]]:
+    """(side, start, stop) in ns: ``slots`` turns of each side (an even number) in the
+    order 0 1 1 0 0 1 1 0 ..., ``seconds`` in all per side."""
+    length = int(seconds * 1e9) // slots
+    plan = []
+    at = start_at
+    for turn in range(slots):
+        for side in (0, 1) if turn % 2 == 0 else (1, 0):
+            plan.append((side, at, at + length))
+            at += length
+    return plan
 
 
 def run_throughput(
@@ -106,22 +135,26 @@ def run_throughput(
     workers: int,
     seconds: float,
     rounds: int,
+    slots: int = 10,
+    pin: bool = True,
     kinds: list[str] = THROUGHPUT_KINDS,
     progress: Callable[[str], None] = lambda message: None,
 ) -> list[ThroughputResult]:
+    """Per case and round, ``seconds`` of the case and as much of the reference, in
+    ``slots`` turns each (rounded up to an even number)."""
+    slots += slots % 2
     context = multiprocessing.get_context("spawn")
     url_text = url.render_as_string(hide_password=False)
     pipes: list[Connection] = []
     processes: list[Any] = []
-    for _ in range(workers):
+    cpus = os.cpu_count() or 1
+    for index in range(workers):
         here, there = context.Pipe()
-        process = context.Process(target=_worker, args=(url_text, there), daemon=True)
+        cpu = index % cpus if pin and cpus > 1 else None
+        process = context.Process(target=_worker, args=(url_text, there, cpu), daemon=True)
         process.start()
         pipes.append(here)
         processes.append(process)
-    # Every case runs right after a run of the reference with the same keys, and its
-    # ratio is taken against that run: on a shared VM the machine's speed drifts over
-    # seconds, so a reference measured a minute earlier says little.
     others = [kind for kind in kinds if kind != REFERENCE]
     cases = [(kind, keys) for keys in ("one", "many") for kind in others]
     samples: dict[tuple[str, str], list[float]] = {
@@ -129,26 +162,30 @@ def run_throughput(
     }
     ratios: dict[tuple[str, str], list[float]] = {case: [] for case in cases}
 
-    def measure(kind: str, keys: str) -> float:
+    def measure(kind: str, keys: str) -> tuple[float, float]:
+        """Operations per second of the reference and of ``kind``, in alternating slots."""
         what = f"{kind}/{keys}"
         for index, pipe in enumerate(pipes):
-            name = f"bench.throughput.{kind}" + (f".{index}" if keys == "many" else "")
-            pipe.send((kind, name))
+            suffix = f".{index}" if keys == "many" else ""
+            pipe.send([(side, f"bench.throughput.{side}{suffix}") for side in (REFERENCE, kind)])
         for pipe in pipes:
             _answer(pipe, "built", what, REPLY_SECONDS)
-        start_at = _clock() + START_DELAY_NS
-        stop_at = start_at + int(seconds * 1e9)
+        plan = slot_plan(_clock() + START_DELAY_NS, seconds, slots)
         for pipe in pipes:
-            pipe.send((start_at, stop_at))
-        total = sum(_answer(pipe, "done", what, REPLY_SECONDS + seconds) for pipe in pipes)
-        return total / seconds
+            pipe.send(plan)
+        totals = [0, 0]
+        for pipe in pipes:
+            for (side, _, _), operations in zip(
+                plan, _answer(pipe, "done", what, REPLY_SECONDS + 2 * seconds), strict=True
+            ):
+                totals[side] += operations
+        return totals[0] / seconds, totals[1] / seconds
 
     try:
         for number in range(rounds):
             shift = number % len(cases)
             for kind, keys in [*cases[shift:], *cases[:shift]]:
-                reference = measure(REFERENCE, keys)
-                mine = measure(kind, keys)
+                reference, mine = measure(kind, keys)
                 samples[(REFERENCE, keys)].append(reference)
                 samples[(kind, keys)].append(mine)
                 ratios[(kind, keys)].append(mine / reference)
@@ -178,6 +215,7 @@ def run_throughput(
                     ratio_to_raw=(
                         1.0 if kind == REFERENCE else statistics.median(ratios[(kind, keys)])
                     ),
+                    round_ratios=ratios.get((kind, keys), []),
                 )
             )
     return results
