@@ -111,7 +111,7 @@ class HandoffRun:
     def slow(self) -> bool:
         return self.kind in SLOW_KINDS
 
-    def trial(self) -> None:
+    def trial(self, *, counted: bool = True) -> None:
         release = self.holder.take()
         self.busy.clear()
         self.pipe.send("go")
@@ -128,7 +128,8 @@ class HandoffRun:
         what, value = self.pipe.recv()
         if what != "acquired":
             raise RuntimeError(f"{self.name}: the waiter failed: {value}")
-        self.latencies.append((value - released_at) / 1e9)
+        if counted:
+            self.latencies.append((value - released_at) / 1e9)
 
     def _waiting(self) -> bool:
         if self.holder.polls:
@@ -192,22 +193,23 @@ def run_handoffs(
     pin: bool = True,
     progress: Callable[[str], None] = lambda message: None,
 ) -> tuple[dict[str, list[float]], str]:
-    """Latencies in seconds per variant, the variants interleaved round by round, and how
-    the processes were pinned.
+    """Latencies in seconds per variant, the variants taking turns one trial at a time,
+    and how the processes were pinned.
 
     With ``pin`` (and two CPUs or more), the holders (this process) and their backends
     run on one CPU and each waiter process and its backend on another, as a holder and a
     waiter on two machines would: every handoff then takes the same path through the
     scheduler (the holder's backend wakes the waiter's on the other CPU), instead of
-    whichever the scheduler picks. A variant's median still moves by up to 0.2x of the
-    raw one from run to run, pinned or not. Each run's first trial is a warm-up, not
-    counted: it opens the clients' connections, whose backends are pinned after it."""
+    whichever the scheduler picks (pinning alone did not steady the medians: they still
+    moved by up to 0.2x of the raw one from run to run, until the variants took turns
+    trial by trial and ran 1,000 trials or more). Each variant's first trial is a
+    warm-up, not counted: it opens the clients' connections, whose backends are pinned
+    after it."""
     cpus = os.cpu_count() or 1
     pinning = Pinning(url, 0) if pin and cpus > 1 else None
     runs = start_runs(variants, url, stack, None if pinning is None else 1)
     for run in runs:
-        run.trial()
-        run.latencies.clear()
+        run.trial(counted=False)
     if pinning is None:
         described = "not pinned" + ("" if pin else " (--no-pin)")
     else:
@@ -216,13 +218,22 @@ def run_handoffs(
         described = (
             "holders and their backends pinned to CPU 0, each waiter and its backends to CPU 1"
         )
+    # One trial of each variant in turn, so that every variant's trials are spread over
+    # the same seconds as the reference's: the machine's wake-up latency changes from
+    # one second to the next, and a block of one variant's trials would catch one state.
     for number in range(rounds):
         shift = number % len(runs)
-        for run in [*runs[shift:], *runs[:shift]]:
-            total = slow_trials if run.slow else trials
-            # Spread the trials over the rounds; the first rounds take any remainder.
-            for _ in range(total // rounds + (1 if number < total % rounds else 0)):
-                run.trial()
+        turn = [*runs[shift:], *runs[:shift]]
+        counts = {
+            run.name: (total := slow_trials if run.slow else trials) // rounds
+            # The first rounds take any remainder.
+            + (1 if number < total % rounds else 0)
+            for run in turn
+        }
+        for index in range(max(counts.values(), default=0)):
+            for run in turn:
+                if index < counts[run.name]:
+                    run.trial()
         progress(f"handoff round {number + 1}/{rounds} done")
     return {run.name: run.latencies for run in runs}, described
 

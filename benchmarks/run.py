@@ -219,7 +219,10 @@ def _parser() -> argparse.ArgumentParser:
         help=f"regenerate the figures in the docs page from this run (default {DOCS_PAGE})",
     )
     parser.add_argument(
-        "--handoff-trials", type=int, default=200, help="handoffs per server-side variant"
+        "--handoff-trials",
+        type=int,
+        default=2000,
+        help="handoffs per server-side variant (default 2000)",
     )
     parser.add_argument(
         "--polling-trials", type=int, default=30, help="handoffs for the client-polling reference"
