@@ -52,7 +52,10 @@ def render(report: Report, arguments: list[str]) -> str:
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC with "
         f"`{command}`: {settings.get('rounds')} rounds x "
         f"{settings.get('iterations')} operations per case, cases taking turns in blocks of "
-        f"{settings.get('block')}.",
+        f"{settings.get('block')}; {settings.get('handoff_trials')} handoffs per variant; "
+        f"throughput {settings.get('throughput_rounds')} rounds of "
+        f"{settings.get('throughput_seconds')} s per case and as much of its reference, in "
+        f"{settings.get('throughput_slots')} turns each.",
         "",
     ]
     if report.uncontended:
@@ -86,9 +89,10 @@ def render(report: Report, arguments: list[str]) -> str:
     if report.handoff:
         lines += [
             "**Handoff** from the holder's release call to the blocked waiter's acquire "
-            "returning, the waiter in its own process. A `floor.*` row is that bind's floor "
-            "(or contract floor) holding between its acquire and release: the handoff the "
-            "bind itself allows, which no library on it can beat.",
+            "returning, the waiter in its own process; the variants take turns one trial at "
+            "a time, so each is spread over the same seconds as the reference. A `floor.*` "
+            "row is that bind's floor (or contract floor) holding between its acquire and "
+            "release: the handoff the bind itself allows, which no library on it can beat.",
             "",
             "| case | p50 ms | p90 ms | p99 ms | p50 x raw |",
             "| --- | ---: | ---: | ---: | ---: |",
@@ -103,7 +107,9 @@ def render(report: Report, arguments: list[str]) -> str:
         workers = report.throughput[0].workers
         lines += [
             f"**Throughput**, {workers} worker processes, acquire + release per second "
-            "(`x raw` against raw SQL with a timeout, the ratio taken per round). A "
+            "(`x raw` against raw SQL with a timeout, run in alternating slots with each "
+            "case within every round, each worker and its backends on one CPU; the median "
+            "of the rounds' ratios). A "
             "`floor.*` row is the floor (or contract floor) of the bind of the next `ours` "
             "row: the throughput the bind itself allows, which no library on it can exceed.",
             "",
