@@ -175,9 +175,9 @@ class DjangoConnectionLocks(ConnectionState):
     # (they depend on nothing else, so they are made once).
     borrows: dict[bool, DjangoBorrow] = field(default_factory=dict)
 
-    def add(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding:
-        holding = super().add(key, shared=shared, transaction=transaction)
-        if transaction:
+    def insert(self, holding: Holding) -> Holding:
+        super().insert(holding)
+        if holding.transaction:
             self._watch_transaction(holding)
         elif _request.active:
             self.request_holdings.append(holding)

@@ -218,6 +218,14 @@ class AdvisoryLock(LockContract):
                     timeout=options.timeout,
                     in_transaction=borrowed.in_transaction,
                 )
+                # Made now, filed once granted: a waiter that is handed the lock returns
+                # sooner (see ConnectionState.prepare), and its release sends the unlock
+                # sooner too.
+                granting = state.prepare(self.key_info, options.shared, options.transaction)
+                if not options.transaction:
+                    granting.unlock = site.backend.unlock_statement(
+                        self.key_info, shared=options.shared
+                    )
                 try:
                     if statement is None:
                         granted = perform(executor, self._acquire_steps(borrowed))
@@ -235,9 +243,7 @@ class AdvisoryLock(LockContract):
                     run_steps(self._refused(started, borrowed), site)
                     return False
                 # self._granted(started, state), without the call
-                holding = state.add(
-                    self.key_info, shared=options.shared, transaction=options.transaction
-                )
+                holding = state.insert(granting)
                 if started is not None and events.listeners:
                     report_grant(holding, self._source(state), time.monotonic() - started)
             holding.count += 1
@@ -269,7 +275,9 @@ class AdvisoryLock(LockContract):
             run_steps(self._release_without_unlock(holding, borrowed), site)
             return
         executor = borrowed.executor
-        statement = site.backend.unlock_statement(self.key_info, shared=self.options.shared)
+        statement = holding.unlock
+        if statement is None:
+            statement = site.backend.unlock_statement(self.key_info, shared=self.options.shared)
         try:
             if statement is None:
                 released = perform(executor, self._release_steps(state))
