@@ -9,7 +9,10 @@ of ``cpu x twin`` the library can cut; the driver's own work is the twin's too.
 ``--profile CASE`` adds a cProfile of the stubbed path (CPU clock) for one case;
 ``--bytecodes CASE`` counts, with ``sys.settrace``, the bytecodes and calls of the
 library's own functions per operation on that stubbed path, biggest first (a count, so
-the same on every machine for the same Python and packages).
+the same on every machine for the same Python and packages). ``--handoff-path CASE``
+counts, the same way, the part of those bytecodes that lies on a handoff's critical
+path: the waiter's from its lock statement's answer to ``acquire()`` returning, and the
+holder's from calling ``release()`` to sending the unlock statement.
 
 Not a test and not part of ``benchmarks.run``: it patches private executor classes.
 """
@@ -63,6 +66,9 @@ def _cases(stack: ExitStack) -> dict[str, Callable[[], None]]:
             with advisory_lock(bind, name, timeout=TIMEOUT_SECONDS):
                 pass
 
+        operation.make_lock = lambda: advisory_lock(  # type: ignore[attr-defined]
+            bind, name, timeout=TIMEOUT_SECONDS
+        )
         return operation
 
     setup_django(url)
@@ -75,6 +81,10 @@ def _cases(stack: ExitStack) -> dict[str, Callable[[], None]]:
     def django_case() -> None:
         with django_lock("bench.python_path.django", timeout=TIMEOUT_SECONDS):
             pass
+
+    django_case.make_lock = lambda: django_lock(  # type: ignore[attr-defined]
+        "bench.python_path.django", timeout=TIMEOUT_SECONDS
+    )
 
     return {
         "psycopg": case(raw, "bench.python_path.psycopg"),
@@ -131,12 +141,68 @@ def _count_bytecodes(operation: Callable[[], None], ops: int) -> None:
         print(f"{count / ops:8.1f} {calls[where] / ops:5.1f}  {path}:{line} {function}")
 
 
+def _count_handoff_path(make_lock: Callable[[], Any], ops: int) -> None:
+    """Print the library's bytecodes on a handoff's critical path, per operation: from the
+    stubbed lock statement's answer to ``acquire()`` returning (what a waiter runs after
+    its grant), and from calling ``release()`` to the unlock statement (what the holder
+    runs before the waiter can be granted)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mine = (os.path.join(package, "advisory_locks"), os.path.join(package, "advisory_locks_django"))
+    phase: list[str | None] = [None]
+    opcodes: collections.Counter[str] = collections.Counter()
+
+    def stub(self: object, statement: Statement) -> object:
+        if "unlock" in statement.sql:
+            phase[0] = None  # the holder's part ends as the unlock is sent
+            return True
+        phase[0] = "waiter"  # the waiter's part starts with the lock statement's answer
+        return True if statement.kind == VALUE else None
+
+    def trace(frame: FrameType, event: str, argument: object) -> Any:
+        if event != "call" or not frame.f_code.co_filename.startswith(mine):
+            return None
+        frame.f_trace_opcodes = True
+
+        def local(frame: FrameType, event: str, argument: object) -> Any:
+            if event == "opcode" and phase[0] is not None:
+                opcodes[phase[0]] += 1
+            return local
+
+        return local
+
+    for executor in _executors():
+        setattr(executor, "execute", stub)  # noqa: B010 - a method replaced for counting
+    gc.collect()
+    gc.freeze()
+    try:
+        for _ in range(ops):
+            lock = make_lock()
+            sys.settrace(trace)
+            lock.acquire()
+            phase[0] = "holder"
+            lock.release()
+            sys.settrace(None)
+            phase[0] = None
+    finally:
+        sys.settrace(None)
+        gc.unfreeze()
+    print(
+        f"handoff path: the waiter's {opcodes['waiter'] / ops:.0f} bytecodes after its "
+        f"grant, the holder's {opcodes['holder'] / ops:.0f} before its unlock"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.python_path")
     parser.add_argument("--blocks", type=int, default=40, help="blocks of 100 operations")
     parser.add_argument("--profile", metavar="CASE", help="also profile this case")
     parser.add_argument(
         "--bytecodes", metavar="CASE", help="also count the library's bytecodes for this case"
+    )
+    parser.add_argument(
+        "--handoff-path",
+        metavar="CASE",
+        help="also count the library's bytecodes on a handoff's critical path for this case",
     )
     arguments = parser.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
@@ -162,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:12} {statistics.median(blocks):6.1f} us per acquire + release")
             if arguments.bytecodes:
                 _count_bytecodes(cases[arguments.bytecodes], 500)
+            if arguments.handoff_path:
+                _count_handoff_path(cases[arguments.handoff_path].make_lock, 500)  # type: ignore[attr-defined]
             if arguments.profile:
                 operation = cases[arguments.profile]
                 profile = cProfile.Profile(time.thread_time)
