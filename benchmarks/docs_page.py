@@ -90,9 +90,11 @@ def render(report: Report, arguments: list[str]) -> str:
         lines += [
             "**Handoff** from the holder's release call to the blocked waiter's acquire "
             "returning, the waiter in its own process; the variants take turns one trial at "
-            "a time, so each is spread over the same seconds as the reference. A `floor.*` "
-            "row is that bind's floor (or contract floor) holding between its acquire and "
-            "release: the handoff the bind itself allows, which no library on it can beat.",
+            "a time, each turn in a new random order, so each is spread over the same "
+            "seconds as the reference and follows every other variant equally often. A "
+            "`floor.*` row is that bind's floor (or contract floor) holding between its "
+            "acquire and release: the handoff the bind itself allows, which no library on "
+            "it can beat.",
             "",
             "| case | p50 ms | p90 ms | p99 ms | p50 x raw |",
             "| --- | ---: | ---: | ---: | ---: |",

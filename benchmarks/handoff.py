@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, suppress
@@ -202,9 +203,9 @@ def run_handoffs(
     scheduler (the holder's backend wakes the waiter's on the other CPU), instead of
     whichever the scheduler picks (pinning alone did not steady the medians: they still
     moved by up to 0.2x of the raw one from run to run, until the variants took turns
-    trial by trial and ran 1,000 trials or more). Each variant's first trial is a
-    warm-up, not counted: it opens the clients' connections, whose backends are pinned
-    after it."""
+    trial by trial, in shuffled order, and ran 1,000 trials or more). Each variant's
+    first trial is a warm-up, not counted: it opens the clients' connections, whose
+    backends are pinned after it."""
     cpus = os.cpu_count() or 1
     pinning = Pinning(url, 0) if pin and cpus > 1 else None
     runs = start_runs(variants, url, stack, None if pinning is None else 1)
@@ -221,9 +222,12 @@ def run_handoffs(
     # One trial of each variant in turn, so that every variant's trials are spread over
     # the same seconds as the reference's: the machine's wake-up latency changes from
     # one second to the next, and a block of one variant's trials would catch one state.
+    # Each turn goes in a new order: a variant whose trial always came right after the
+    # same other variant's would always find the caches as that one left them (in a
+    # fixed order a contract floor came out faster than its own bind floor).
+    order = random.Random(0)
     for number in range(rounds):
-        shift = number % len(runs)
-        turn = [*runs[shift:], *runs[:shift]]
+        turn = list(runs)
         counts = {
             run.name: (total := slow_trials if run.slow else trials) // rounds
             # The first rounds take any remainder.
@@ -231,6 +235,7 @@ def run_handoffs(
             for run in turn
         }
         for index in range(max(counts.values(), default=0)):
+            order.shuffle(turn)
             for run in turn:
                 if index < counts[run.name]:
                     run.trial()
