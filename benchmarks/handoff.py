@@ -40,8 +40,8 @@ TRIAL_SECONDS = 60.0
 START_SECONDS = 60.0
 
 # (case name, client kind); the first is the reference the ratios are taken against. A
-# bind's floor (benchmarks.floors) comes right before ours on that bind: the handoff the
-# bind itself allows, which no library on it can beat.
+# bind's floor (benchmarks.floors) is the handoff the bind itself allows, which no
+# library on it can beat; listed before ours on that bind (they run in shuffled turns).
 HANDOFF_VARIANTS = [
     ("raw.handoff", "raw"),
     ("raw.handoff.timeout", "raw.timeout"),
