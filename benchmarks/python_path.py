@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
@@ -45,13 +45,24 @@ from benchmarks.clients import setup_django
 from benchmarks.postgres import database_url, raw_connection
 
 TIMEOUT_SECONDS = 5
+# The library's own source, whose bytecodes --bytecodes and --handoff-path count.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIBRARY = (
+    os.path.join(_PACKAGE, "advisory_locks"),
+    os.path.join(_PACKAGE, "advisory_locks_django"),
+)
 
 
 def _stub(self: object, statement: Statement) -> object:
     return True if statement.kind == VALUE else None
 
 
-def _cases(stack: ExitStack) -> dict[str, Callable[[], None]]:
+class _Case(NamedTuple):
+    operation: Callable[[], None]  # acquire(timeout) + release, with ``with``
+    make_lock: Callable[[], Any]  # the lock that operation takes, not yet taken
+
+
+def _cases(stack: ExitStack) -> dict[str, _Case]:
     url = database_url()
     engine = create_engine(url)
     stack.callback(engine.dispose)
@@ -61,15 +72,12 @@ def _cases(stack: ExitStack) -> dict[str, Callable[[], None]]:
     stack.callback(session.close)
     raw = raw_connection(url, stack)
 
-    def case(bind: Any, name: str) -> Callable[[], None]:
+    def case(bind: Any, name: str) -> _Case:
         def operation() -> None:
             with advisory_lock(bind, name, timeout=TIMEOUT_SECONDS):
                 pass
 
-        operation.make_lock = lambda: advisory_lock(  # type: ignore[attr-defined]
-            bind, name, timeout=TIMEOUT_SECONDS
-        )
-        return operation
+        return _Case(operation, lambda: advisory_lock(bind, name, timeout=TIMEOUT_SECONDS))
 
     setup_django(url)
     from django.db import connection as django_connection
@@ -82,16 +90,15 @@ def _cases(stack: ExitStack) -> dict[str, Callable[[], None]]:
         with django_lock("bench.python_path.django", timeout=TIMEOUT_SECONDS):
             pass
 
-    django_case.make_lock = lambda: django_lock(  # type: ignore[attr-defined]
-        "bench.python_path.django", timeout=TIMEOUT_SECONDS
-    )
-
     return {
         "psycopg": case(raw, "bench.python_path.psycopg"),
         "connection": case(connection, "bench.python_path.connection"),
         "engine": case(engine, "bench.python_path.engine"),
         "session": case(session, "bench.python_path.session"),
-        "django": django_case,
+        "django": _Case(
+            django_case,
+            lambda: django_lock("bench.python_path.django", timeout=TIMEOUT_SECONDS),
+        ),
     }
 
 
@@ -103,16 +110,14 @@ def _executors() -> list[type]:
 
 def _count_bytecodes(operation: Callable[[], None], ops: int) -> None:
     """Print the library's bytecodes and calls per operation, per function."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    mine = (os.path.join(package, "advisory_locks"), os.path.join(package, "advisory_locks_django"))
     opcodes: collections.Counter[tuple[str, int, str]] = collections.Counter()
     calls: collections.Counter[tuple[str, int, str]] = collections.Counter()
 
     def trace(frame: FrameType, event: str, argument: object) -> Any:
         code = frame.f_code
-        if event != "call" or not code.co_filename.startswith(mine):
+        if event != "call" or not code.co_filename.startswith(_LIBRARY):
             return None
-        where = (os.path.relpath(code.co_filename, package), code.co_firstlineno, code.co_name)
+        where = (os.path.relpath(code.co_filename, _PACKAGE), code.co_firstlineno, code.co_name)
         calls[where] += 1
         frame.f_trace_opcodes = True
 
@@ -146,8 +151,6 @@ def _count_handoff_path(make_lock: Callable[[], Any], ops: int) -> None:
     stubbed lock statement's answer to ``acquire()`` returning (what a waiter runs after
     its grant), and from calling ``release()`` to the unlock statement (what the holder
     runs before the waiter can be granted)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    mine = (os.path.join(package, "advisory_locks"), os.path.join(package, "advisory_locks_django"))
     phase: list[str | None] = [None]
     opcodes: collections.Counter[str] = collections.Counter()
 
@@ -159,7 +162,7 @@ def _count_handoff_path(make_lock: Callable[[], Any], ops: int) -> None:
         return True if statement.kind == VALUE else None
 
     def trace(frame: FrameType, event: str, argument: object) -> Any:
-        if event != "call" or not frame.f_code.co_filename.startswith(mine):
+        if event != "call" or not frame.f_code.co_filename.startswith(_LIBRARY):
             return None
         frame.f_trace_opcodes = True
 
@@ -209,14 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, {(os.cpu_count() or 1) - 1})
     with ExitStack() as stack:
         cases = _cases(stack)
-        for operation in cases.values():
+        for operation, _ in cases.values():
             for _ in range(50):
                 operation()  # for real: pools filled, servers checked
         real = {executor: executor.__dict__["execute"] for executor in _executors()}
         for executor in real:
             setattr(executor, "execute", _stub)  # noqa: B010 - a method replaced for timing
         try:
-            for name, operation in cases.items():
+            for name, (operation, _) in cases.items():
                 for _ in range(300):
                     operation()
                 blocks = []
@@ -227,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
                     blocks.append((time.thread_time_ns() - started) / 100_000)
                 print(f"{name:12} {statistics.median(blocks):6.1f} us per acquire + release")
             if arguments.bytecodes:
-                _count_bytecodes(cases[arguments.bytecodes], 500)
+                _count_bytecodes(cases[arguments.bytecodes].operation, 500)
             if arguments.handoff_path:
-                _count_handoff_path(cases[arguments.handoff_path].make_lock, 500)  # type: ignore[attr-defined]
+                _count_handoff_path(cases[arguments.handoff_path].make_lock, 500)
             if arguments.profile:
-                operation = cases[arguments.profile]
+                operation = cases[arguments.profile].operation
                 profile = cProfile.Profile(time.thread_time)
                 profile.enable()
                 for _ in range(5000):
