@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import Engine
+from sqlalchemy.engine import URL
 
 from advisory_locks import AdvisoryLockError, LockUsageError, advisory_lock
-from tests.helpers import unique_name
+from tests.helpers import holder_pids, unique_name
+from tests.test_raw_postgres import Admin, libpq_url
 
 pytestmark = pytest.mark.postgresql
 
@@ -43,6 +47,51 @@ def test_taking_one_object_from_two_threads_is_refused(pg_engine: Engine) -> Non
     assert len(errors) == 1
     assert isinstance(errors[0], LockUsageError)
     assert "another thread or task" in str(errors[0])
+
+
+def test_another_thread_cannot_claim_an_object_whose_unlock_is_on_its_way(
+    postgres_url: URL, pg_admin: Admin
+) -> None:
+    # A raw connection lends itself to every lock on it: had the object let go before its
+    # unlock was sent, a second thread would count itself into the holding that unlock is
+    # about to end, and be told it holds a lock the server no longer has.
+    name = unique_name()
+    unlock_sent = threading.Event()
+    unlock_may_run = threading.Event()
+
+    class HeldBackUnlocks(psycopg.Cursor[Any]):
+        def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+            if "unlock" in str(query):
+                unlock_sent.set()
+                unlock_may_run.wait(10)
+            return super().execute(query, *args, **kwargs)
+
+    with psycopg.connect(
+        libpq_url(postgres_url), autocommit=True, cursor_factory=HeldBackUnlocks
+    ) as raw:
+        lock = advisory_lock(raw, name)
+        errors: list[BaseException] = []
+
+        def hold_and_release() -> None:
+            lock.acquire()
+            lock.release()
+
+        holder = threading.Thread(target=lambda: _capture(hold_and_release, errors))
+        holder.start()
+        try:
+            assert unlock_sent.wait(10)
+            with pytest.raises(LockUsageError, match="another thread or task"):
+                lock.acquire()
+        finally:
+            unlock_may_run.set()
+            holder.join(10)
+        assert errors == []
+        assert holder_pids(pg_admin, name) == []
+        # Released whole: this thread may take it now, with a request of its own.
+        assert lock.acquire()
+        assert holder_pids(pg_admin, name) == [raw.info.backend_pid]
+        lock.release()
+        assert holder_pids(pg_admin, name) == []
 
 
 def test_ensure_held_on_a_lock_not_held_is_a_usage_error(pg_engine: Engine) -> None:

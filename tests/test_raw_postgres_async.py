@@ -31,6 +31,7 @@ from advisory_locks import (
     LockLost,
     LockNotAcquired,
     LockTimeout,
+    LockUsageError,
     UnsupportedFeature,
     advisory_lock,
     advisory_lock_set,
@@ -329,6 +330,47 @@ async def test_retaking_a_name_on_one_connection_is_counted(
         async with advisory_lock(connection, name, timeout=0) as inner:
             assert inner.held
         assert not is_free(dsn, name)
+    assert is_free(dsn, name)
+
+
+async def test_another_task_cannot_claim_an_object_whose_unlock_is_on_its_way(
+    dsn: str, pg_admin: Admin
+) -> None:
+    # The await of the unlock lets other tasks run: had the object let go before it, a
+    # second task would count itself into the holding that unlock is about to end.
+    name = unique_name("async-unlock-on-its-way")
+    unlock_sent = asyncio.Event()
+    unlock_may_run = asyncio.Event()
+
+    class HeldBackUnlocks(psycopg.AsyncCursor[Any]):
+        async def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+            if "unlock" in str(query):
+                unlock_sent.set()
+                await unlock_may_run.wait()
+            return await super().execute(query, *args, **kwargs)
+
+    async with await psycopg.AsyncConnection.connect(
+        dsn, autocommit=True, cursor_factory=HeldBackUnlocks
+    ) as connection:
+        lock = advisory_lock(connection, name)
+
+        async def hold_and_release() -> None:
+            await lock.acquire()
+            await lock.release()
+
+        holder = asyncio.create_task(hold_and_release())
+        try:
+            await asyncio.wait_for(unlock_sent.wait(), 10)
+            with pytest.raises(LockUsageError, match="another thread or task"):
+                await lock.acquire()
+        finally:
+            unlock_may_run.set()
+            await asyncio.wait_for(holder, 10)
+        assert is_free(dsn, name)
+        # Released whole: this task may take it now, with a request of its own.
+        assert await lock.acquire()
+        assert holder_pids(pg_admin, name) == [connection.info.backend_pid]
+        await lock.release()
     assert is_free(dsn, name)
 
 

@@ -257,7 +257,8 @@ class AdvisoryLock(LockContract):
 
     def release(self) -> None:
         """Give the lock back (a transaction lock stays with its transaction)."""
-        # arelease() is the same rules, awaited; the first part is _let_go(), written out.
+        # arelease() is the same rules, awaited; the first part is _count_out(), written
+        # out.
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
             raise self._not_held()
@@ -267,28 +268,31 @@ class AdvisoryLock(LockContract):
         holding.count -= 1
         if self._count:
             return
-        owner = self._owner  # put back if the unlock is refused unsent
-        self._holding = self._borrowed = None
-        self._owner = None
-        site = self._site
         if holding.count > 0 or holding.transaction or state.inherited or not holding.active:
-            run_steps(self._release_without_unlock(holding, borrowed), site)
+            self._let_go()
+            run_steps(self._release_without_unlock(holding, borrowed), self._site)
             return
-        executor = borrowed.executor
+        # The object lets go after the unlock (see _count_out()), which a waiter on the
+        # lock need not wait for either.
         statement = holding.unlock
         if statement is None:
-            statement = site.backend.unlock_statement(self.key_info, shared=self.options.shared)
+            statement = self._site.backend.unlock_statement(
+                self.key_info, shared=self.options.shared
+            )
         try:
             if statement is None:
-                released = perform(executor, self._release_steps(state))
+                released = perform(borrowed.executor, self._release_steps(state))
             else:
-                released = bool(executor.execute(statement))
+                released = bool(borrowed.executor.execute(statement))
         except StatementRefused:
-            self._hold_again(holding, borrowed, owner)
+            self._count_in_again(holding)
             raise
         except BaseException as error:
-            run_steps(self._release_failed(holding, borrowed, error), site)
+            self._let_go()
+            run_steps(self._release_failed(holding, borrowed, error), self._site)
             return
+        self._holding = self._borrowed = None  # self._let_go(), without the call
+        self._owner = None
         state.end(holding, "unlock" if released else "lost")
         borrowed.done()
         if not getattr(borrowed, "settled_by_done", False):
@@ -539,14 +543,14 @@ class AdvisoryLock(LockContract):
 
     async def arelease(self) -> None:
         """``release()`` on a site whose connections are awaited (see ``aacquire``)."""
-        owner = self._owner  # put back if the unlock is refused unsent
-        let_go = self._let_go()
-        if let_go is None:
+        counted = self._count_out()
+        if counted is None:
             return
-        holding, borrowed = let_go
+        holding, borrowed = counted
         site = self._site
         state = borrowed.state
         if holding.count > 0 or holding.transaction or state.inherited or not holding.active:
+            self._let_go()
             await arun_steps(self._release_without_unlock(holding, borrowed), site)
             return
         executor = borrowed.executor
@@ -557,11 +561,13 @@ class AdvisoryLock(LockContract):
             else:
                 released = bool(await executor.execute(statement))
         except StatementRefused:
-            self._hold_again(holding, borrowed, owner)
+            self._count_in_again(holding)
             raise
         except BaseException as error:
+            self._let_go()
             await arun_steps(self._release_failed(holding, borrowed, error), site)
             return
+        self._let_go()
         state.end(holding, "unlock" if released else "lost")
         borrowed.done()
         if not getattr(borrowed, "settled_by_done", False):
@@ -569,11 +575,14 @@ class AdvisoryLock(LockContract):
         if not released:
             raise self._not_released(holding, state)
 
-    # The parts of a release that every way of running it shares.
+    # The parts of a release that every way of running it shares. A release lets go of
+    # its holding only once the unlock is sent: until then the object keeps its owner, so
+    # no other thread or task can claim it and count itself into a holding that unlock
+    # is about to end (see _reenter()).
 
-    def _let_go(self) -> tuple[Holding, Borrowed] | None:
-        """Count this holder out; the holding and its connection when this object lets go
-        of it (None while an outer holder of this object still counts)."""
+    def _count_out(self) -> tuple[Holding, Borrowed] | None:
+        """Count this holder out; the holding and its connection when this was the
+        object's last holder (None while an outer holder of this object still counts)."""
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
             raise self._not_held()
@@ -582,17 +591,16 @@ class AdvisoryLock(LockContract):
         holding.count -= 1
         if self._count:
             return None
-        self._holding = self._borrowed = None
-        self._owner = None
         return holding, borrowed
 
-    def _hold_again(
-        self, holding: Holding, borrowed: Borrowed, owner: tuple[int, int] | None
-    ) -> None:
-        """Undo ``_let_go``: the unlock was refused before anything was sent (a psycopg
+    def _let_go(self) -> None:
+        """The object no longer holds anything, nor belongs to a thread or task."""
+        self._holding = self._borrowed = None
+        self._owner = None
+
+    def _count_in_again(self, holding: Holding) -> None:
+        """Undo ``_count_out``: the unlock was refused before anything was sent (a psycopg
         pipeline), so the server still holds the lock, and this object for its owner."""
-        self._owner = owner
-        self._holding, self._borrowed = holding, borrowed
         self._count = 1
         holding.count += 1
 
