@@ -29,6 +29,7 @@ from advisory_locks import (
     LockDeadlock,
     LockLost,
     LockNotAcquired,
+    LockTimeout,
     UnsupportedFeature,
     advisory_lock,
     current_advisory_locks,
@@ -929,6 +930,33 @@ def test_callers_session_lock_timeout_is_kept_after_an_acquire_outside_a_transac
         connection.commit()
         with advisory_lock(connection, unique_name(), timeout=0.5):
             assert connection.scalar(text("SHOW lock_timeout")) == "4s"
+
+
+@pytest.mark.parametrize("in_transaction", [False, True], ids=["idle", "in-transaction"])
+def test_a_wait_without_timeout_ended_by_the_callers_lock_timeout_raises(
+    in_transaction: bool, pg_engine: Engine, pg_admin: Admin
+) -> None:
+    # The caller's lock_timeout bounds a wait without a timeout (tests/faults/
+    # test_caller_timeouts.py). acquire() answered False for it, and a caller who passed
+    # no timeout, and so did not look at the answer, ran its block beside the holder.
+    name = unique_name()
+    with pg_engine.connect() as holder, pg_engine.connect() as connection:
+        connection.execute(text("SET lock_timeout = '100ms'"))
+        connection.commit()
+        rival = advisory_lock(holder, name)
+        rival.acquire()
+        if in_transaction:
+            connection.begin()
+        lock = advisory_lock(connection, name)
+        with pytest.raises(LockTimeout, match="lock_timeout"):
+            lock.acquire()
+        assert not lock.held
+        assert holder_pids(pg_admin, name) == [backend_pid(holder)]
+        assert connection.in_transaction() is in_transaction
+        assert connection.scalar(text("SHOW lock_timeout")) == "100ms"
+        if in_transaction:
+            connection.commit()
+        rival.release()
 
 
 # -- (g) an SQL error inside a locked transaction still releases the lock ------------------

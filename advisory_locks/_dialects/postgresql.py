@@ -153,7 +153,7 @@ class PostgresBackend:
                 )
             if not transaction and sqlstate_of(error) in GRANT_MAY_SURVIVE:
                 yield _give_back_late_grant(key, shared=shared)
-            return _granted_or_raise(error, key)
+            return _granted_or_raise(error, key, timeout)
         return True
 
     def lock_statement(
@@ -331,9 +331,18 @@ def _give_back_late_grant(key: LockKey, *, shared: bool) -> Statement:
     return Statement(VALUE, sql, [*key.ints, *key.pg_locks_ids()])
 
 
-def _granted_or_raise(error: Exception, key: LockKey) -> bool:
+def _granted_or_raise(error: Exception, key: LockKey, timeout: Timeout) -> bool:
     code = sqlstate_of(error)
     if code == LOCK_NOT_AVAILABLE:
+        if timeout is None:
+            # Not our limit: the caller's lock_timeout (connection, role or database)
+            # bounds a wait without a timeout, as its statement_timeout does. acquire()
+            # without a timeout never answers False, which a caller need not look at.
+            raise LockTimeout(
+                f"waiting for advisory lock {key.name!r} was ended by the connection's "
+                "lock_timeout",
+                name=key.name,
+            ) from error
         return False
     if code == DEADLOCK_DETECTED:
         raise LockDeadlock(
