@@ -233,8 +233,7 @@ async def test_raw_async_lock_statements_in_a_pipeline_are_refused(
 def test_sqlalchemy_connection_lock_in_a_pipeline_is_refused(
     pg_engine: Engine, pg_admin: Admin, options: dict[str, Any], in_transaction: bool
 ) -> None:
-    # (A transaction lock outside a transaction begins one: the statement is refused
-    # first, but the Connection would be left in the transaction it began.)
+    # (A transaction lock outside a transaction: see the next test.)
     with pg_engine.connect() as connection:
         if in_transaction:
             connection.begin()
@@ -248,6 +247,26 @@ def test_sqlalchemy_connection_lock_in_a_pipeline_is_refused(
         refused_in_pipeline(driver, connection, pg_admin, **options)
         # Still in the transaction it was in, with nothing of the lock in it.
         assert connection.in_transaction() is in_transaction
+
+
+def test_sqlalchemy_transaction_lock_on_an_idle_connection_in_a_pipeline_begins_nothing(
+    pg_engine: Engine, pg_admin: Admin
+) -> None:
+    # Outside a transaction a transaction lock autobegins one, as any statement on a
+    # Connection does; refused in a pipeline, it left the Connection in the transaction
+    # it began for a statement it never sent.
+    with pg_engine.connect() as connection:
+        driver = connection.connection.driver_connection
+        assert isinstance(driver, psycopg.Connection)
+        with connection.begin(), advisory_lock(connection, unique_name(), transaction=True):
+            pass
+        assert not connection.in_transaction()
+        with driver.pipeline():
+            with sent(driver) as messages, pytest.raises(LockUsageError, match="pipeline mode"):
+                advisory_lock(connection, unique_name(), transaction=True).acquire()
+            assert messages == []
+        assert not connection.in_transaction()
+        assert driver.pgconn.transaction_status == TransactionStatus.IDLE
 
 
 def test_sqlalchemy_connection_release_in_a_pipeline_is_refused(

@@ -83,6 +83,7 @@ from advisory_locks._core.executors import (
     claim_idle_autocommit,
     driver_autocommit,
     driver_in_transaction,
+    in_pipeline,
     libpq_connection,
     pipeline_refusal,
     restore_driver_autocommit,
@@ -621,6 +622,10 @@ class ConnectionBorrow(_SettledAtOnce):
             self.executor: Any = parts.executor
         elif transaction:
             if not connection.in_transaction():
+                if in_pipeline(parts.dbapi):
+                    # Refused before the autobegin, which would leave the Connection in
+                    # a transaction for a lock statement that is never sent.
+                    raise pipeline_refusal()
                 # Like any statement on a Connection, a transaction lock autobegins.
                 connection.begin()
             self.executor = parts.executor

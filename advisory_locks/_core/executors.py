@@ -287,7 +287,7 @@ def set_driver_autocommit(dbapi_connection: Any, value: bool) -> object:
     """Switch the driver's autocommit mode; return what ``restore_driver_autocommit`` needs
     to put back exactly the mode the application had configured."""
     kind = _kind(dbapi_connection)
-    if value and kind & (_PGCONN | _ADAPTED_PSYCOPG) and _in_pipeline(dbapi_connection):
+    if value and kind & (_PGCONN | _ADAPTED_PSYCOPG) and in_pipeline(dbapi_connection):
         # Switched for a lock statement, which would be refused after a switch that
         # psycopg makes with a Sync in the middle of the application's pipeline.
         raise pipeline_refusal()
@@ -305,7 +305,7 @@ def set_driver_autocommit(dbapi_connection: Any, value: bool) -> object:
     return previous_mode
 
 
-def _in_pipeline(connection: Any) -> bool:
+def in_pipeline(connection: Any) -> bool:
     """Whether a psycopg 3 connection (or SQLAlchemy's adapter of an ``AsyncConnection``)
     is in pipeline mode; False for every other driver."""
     kind = _kinds.get(type(connection))
