@@ -11,6 +11,7 @@ import platform
 from pathlib import Path
 
 from benchmarks.report import Report, ratio_text
+from benchmarks.targets import render_targets
 
 __all__ = ["DOCS_PAGE", "END", "START", "render", "write_docs_page"]
 
@@ -140,6 +141,20 @@ def render(report: Report, arguments: list[str]) -> str:
             f"{scale.limit_other_locks_intact}); {scale.waiters} waiters on one key all got "
             f"it in turn in {scale.waiters_all_done_seconds:.2f} s, at most "
             f"{scale.waiters_max_inside} inside at once.",
+            "",
+        ]
+    targets = render_targets(report)
+    if targets:
+        lines += [
+            "**Targets** (the product's design, \"Performance\"), each against its bind's "
+            "floor and contract floor in this run. A rounds column counts the rounds "
+            "whose ratio met the target (the uncontended and handoff parts' rounds, the "
+            "throughput's). **met**: ours meets it; **open**: the contract floor meets it "
+            "and ours does not; **unreachable**: the contract floor misses it too, so no "
+            "lock that keeps the contract meets it on this machine; *undecided*: the "
+            "rounds of ours or of the contract floor fall on both sides of the target.",
+            "",
+            *targets,
             "",
         ]
     lines += [f"Note: {note}" for note in report.notes]

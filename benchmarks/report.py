@@ -52,6 +52,8 @@ class UncontendedResult:
     # alternate blocks with it: the figure the performance targets are set on.
     cpu_ratio_to_twin: float | None
     round_trips: float | None
+    # This case's CPU median over its twin's, one figure per round (empty without a twin).
+    cpu_round_ratios_to_twin: list[float] = field(default_factory=list)
     # The floor of this case's bind (floor.*), and this case against it the same ways as
     # against its twin: what the library adds over the least any library must do there.
     bind_floor: str | None = None
@@ -69,6 +71,9 @@ class HandoffResult:
     p99_ms: float
     ratio_p50_to_raw: float | None
     latencies_ms: list[float] = field(repr=False)
+    # p50 over the reference's p50 within each round (the trials of a round are spread
+    # over the same seconds as the reference's).
+    round_ratios_p50_to_raw: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -120,6 +125,7 @@ def uncontended_results(
         bind_floor = case_samples.case.bind_floor
         to_twin, cpu_to_twin = _paired(case_samples, samples, twin)
         to_bind_floor, cpu_to_bind_floor = _paired(case_samples, samples, bind_floor)
+        cpu_rounds = _cpu_round_ratios(case_samples, samples[twin]) if twin in samples else []
         results.append(
             UncontendedResult(
                 name=name,
@@ -140,6 +146,7 @@ def uncontended_results(
                 ),
                 cpu_ratio_to_twin=cpu_to_twin,
                 round_trips=round_trips.get(name),
+                cpu_round_ratios_to_twin=cpu_rounds,
                 bind_floor=bind_floor,
                 ratio_to_bind_floor=to_bind_floor,
                 cpu_ratio_to_bind_floor=cpu_to_bind_floor,
@@ -148,13 +155,35 @@ def uncontended_results(
     return results
 
 
+def split_rounds(values: list[float], rounds: int) -> list[list[float]]:
+    """``values`` in trial order, cut into the rounds they were taken in: each round takes
+    ``len(values) // rounds`` trials, the first ones one more for any remainder (as
+    ``benchmarks.handoff.run_handoffs`` deals them out)."""
+    size, extra = divmod(len(values), rounds)
+    parts, start = [], 0
+    for number in range(rounds):
+        stop = start + size + (1 if number < extra else 0)
+        parts.append(values[start:stop])
+        start = stop
+    return [part for part in parts if part]
+
+
 def handoff_results(
-    latencies: dict[str, list[float]], descriptions: dict[str, str], reference: str | None
+    latencies: dict[str, list[float]],
+    descriptions: dict[str, str],
+    reference: str | None,
+    rounds: int = 1,
 ) -> list[HandoffResult]:
     raw_p50 = statistics.median(latencies[reference]) if reference in latencies else None
+    raw_rounds = (
+        [statistics.median(part) for part in split_rounds(latencies[reference], rounds)]
+        if reference in latencies
+        else []
+    )
     results = []
     for name, seconds in latencies.items():
         p50 = statistics.median(seconds)
+        mine = [statistics.median(part) for part in split_rounds(seconds, rounds)]
         results.append(
             HandoffResult(
                 name=name,
@@ -165,6 +194,11 @@ def handoff_results(
                 p99_ms=percentile(seconds, 0.99) * 1000,
                 ratio_p50_to_raw=None if raw_p50 is None else p50 / raw_p50,
                 latencies_ms=[value * 1000 for value in seconds],
+                round_ratios_p50_to_raw=(
+                    [a / b for a, b in zip(mine, raw_rounds, strict=True)]
+                    if len(mine) == len(raw_rounds)
+                    else []
+                ),
             )
         )
     return results

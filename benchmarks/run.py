@@ -38,6 +38,7 @@ from benchmarks.report import (
 )
 from benchmarks.round_trips import count_round_trips
 from benchmarks.scale import ScaleResult, run_scale
+from benchmarks.targets import render_targets
 from benchmarks.throughput import ThroughputResult, run_throughput
 from benchmarks.uncontended import FLOOR, uncontended_cases
 from tests.private_postgres import PrivateServerUnavailable
@@ -109,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                 progress=progress,
             )
         notes.append(f"handoff: {pinned}")
-        handoff = handoff_results(latencies, handoff_descriptions(), variants[0][0])
+        handoff = handoff_results(
+            latencies, handoff_descriptions(), variants[0][0], arguments.rounds
+        )
     if _runs(arguments.only, "throughput", "throughput"):
         progress(f"throughput: {arguments.workers} worker processes")
         throughput = run_throughput(
@@ -158,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         notes=notes,
     )
     write_table(report, sys.stdout)
+    if targets := render_targets(report):
+        print("\nTargets (rounds on target: rounds whose ratio met it)")
+        print("\n".join(targets))
     if handoff or throughput:
         title = ", ".join(f"{key} {value}" for key, value in report.environment.items())
         write_chart(handoff, throughput, arguments.chart, title)

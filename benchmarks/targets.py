@@ -1,0 +1,197 @@
+"""The performance targets (DESIGN.md, "Performance"), judged on one run.
+
+For each target and bind: the bind floor (the least any library must do there), the
+contract floor (the least a lock keeping the contract does there) and ours, each with
+how many of the run's rounds met the target. The verdict: **met** when ours meets it;
+**open** when the contract floor meets it and ours does not, so a leaner library could;
+**unreachable** when the contract floor misses it too, so no lock keeping the contract
+can meet it on this machine. A verdict is *undecided* when the rounds of ours or of the
+contract floor fall on both sides of the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from benchmarks.report import Report, ratio_text
+
+__all__ = ["TARGETS", "Judged", "Target", "judge", "render_targets"]
+
+# A figure: the run's median ratio and its per-round ratios, or None when not measured.
+Figure = tuple[float, list[float]] | None
+
+
+@dataclass(frozen=True)
+class Target:
+    what: str
+    limit: float
+    # True: the ratio must stay at or below the limit (CPU, latency); False: at or above
+    # it (throughput).
+    at_most: bool
+    # bind -> (bind floor, contract floor, ours): case names in the part the target is
+    # measured by. A bind floor of None: the bind has no floor apart from the contract's.
+    binds: Mapping[str, tuple[str | None, str, str]]
+    # How a case's figure is read off the report.
+    read: Callable[[Report, str], Figure]
+
+    def meets(self, value: float) -> bool:
+        return value <= self.limit if self.at_most else value >= self.limit
+
+
+def _cpu(report: Report, name: str) -> Figure:
+    for row in report.uncontended:
+        if row.name == name and row.cpu_ratio_to_twin is not None:
+            return row.cpu_ratio_to_twin, row.cpu_round_ratios_to_twin
+    return None
+
+
+def _handoff(report: Report, name: str) -> Figure:
+    for result in report.handoff:
+        if result.name == name and result.ratio_p50_to_raw is not None:
+            return result.ratio_p50_to_raw, result.round_ratios_p50_to_raw
+    return None
+
+
+def _throughput(keys: str) -> Callable[[Report, str], Figure]:
+    def read(report: Report, name: str) -> Figure:
+        for row in report.throughput:
+            if row.kind == name and row.keys == keys and row.ratio_to_raw is not None:
+                return row.ratio_to_raw, row.round_ratios
+        return None
+
+    return read
+
+
+def _binds(
+    floor: str, contract: str, ours: Callable[[str], str]
+) -> dict[str, tuple[str, str, str]]:
+    return {
+        label: (floor.format(bind), contract.format(bind), ours(bind))
+        for label, bind in (
+            ("`Engine`", "engine"),
+            ("`Session`", "session"),
+            ("`Connection`", "connection"),
+            ("Django", "django"),
+        )
+    }
+
+
+_UNCONTENDED = _binds("floor.{}.timeout", "floor.{}.contract", lambda bind: f"ours.{bind}.timeout")
+
+TARGETS = [
+    Target("client CPU <= 1.3x", 1.3, True, dict(_UNCONTENDED), _cpu),
+    Target(
+        "client CPU <= 1.1x (raw driver)",
+        1.1,
+        True,
+        {"psycopg `Connection`": (None, "floor.psycopg.contract", "ours.psycopg.timeout")},
+        _cpu,
+    ),
+    Target("throughput, one key, >= 0.85x", 0.85, False, dict(_UNCONTENDED), _throughput("one")),
+    Target(
+        "throughput, distinct keys, >= 0.85x",
+        0.85,
+        False,
+        dict(_UNCONTENDED),
+        _throughput("many"),
+    ),
+    Target(
+        "handoff p50 <= 1.1x",
+        1.1,
+        True,
+        _binds(
+            "floor.{}.handoff.timeout",
+            "floor.{}.contract.handoff",
+            # The Engine's variant was the first, and kept its name.
+            lambda bind: (
+                "ours.handoff.timeout" if bind == "engine" else f"ours.{bind}.handoff.timeout"
+            ),
+        ),
+        _handoff,
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Judged:
+    target: Target
+    bind: str
+    floor: Figure
+    contract: Figure
+    ours: Figure
+
+    def _rounds(self, figure: Figure) -> str:
+        if figure is None or not figure[1]:
+            return ""
+        met = sum(self.target.meets(value) for value in figure[1])
+        return f"{met}/{len(figure[1])}"
+
+    def _decided(self, figure: Figure) -> bool:
+        if figure is None or not figure[1]:
+            return True
+        sides = {self.target.meets(value) for value in figure[1]}
+        return len(sides) == 1
+
+    @property
+    def verdict(self) -> str:
+        if self.ours is None or self.contract is None:
+            return "not measured"
+        if self.target.meets(self.ours[0]):
+            verdict = "met"
+        elif self.target.meets(self.contract[0]):
+            verdict = "open"
+        else:
+            verdict = "unreachable"
+        if not (self._decided(self.ours) and self._decided(self.contract)):
+            verdict += ", undecided"
+        return verdict
+
+    def cells(self) -> list[str]:
+        return [
+            _figure(self.floor),
+            _figure(self.contract),
+            self._rounds(self.contract),
+            _figure(self.ours),
+            self._rounds(self.ours),
+            self.verdict,
+        ]
+
+
+def _figure(figure: Figure) -> str:
+    return "-" if figure is None else ratio_text(figure[0])
+
+
+def judge(report: Report) -> list[Judged]:
+    """Every target on every bind the run measured (ours and the contract floor both)."""
+    judged = []
+    for target in TARGETS:
+        for bind, (floor, contract, ours) in target.binds.items():
+            row = Judged(
+                target,
+                bind,
+                None if floor is None else target.read(report, floor),
+                target.read(report, contract),
+                target.read(report, ours),
+            )
+            if row.ours is not None or row.contract is not None:
+                judged.append(row)
+    return judged
+
+
+def render_targets(report: Report) -> list[str]:
+    """The targets as a Markdown table (no lines when the run measured none of them)."""
+    judged = judge(report)
+    if not judged:
+        return []
+    lines = [
+        "| target | bind | bind floor | contract floor | its rounds on target | ours "
+        "| its rounds on target | verdict |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    previous = None
+    for row in judged:
+        what = row.target.what if row.target is not previous else ""
+        previous = row.target
+        lines.append("| " + " | ".join([what, row.bind, *row.cells()]) + " |")
+    return lines

@@ -1,0 +1,111 @@
+"""The benchmark report's verdicts on the performance targets (benchmarks.targets).
+
+Arithmetic on figures a run produced, so no database is involved: which verdict a bind
+gets, how rounds are counted, and how a handoff's trials are cut into its rounds.
+"""
+
+from __future__ import annotations
+
+from benchmarks.report import Report, UncontendedResult, handoff_results, split_rounds
+from benchmarks.targets import judge, render_targets
+from benchmarks.throughput import ThroughputResult
+
+
+def _cpu_row(name: str, rounds: list[float]) -> UncontendedResult:
+    ordered = sorted(rounds)
+    return UncontendedResult(
+        name=name,
+        group="",
+        description="",
+        twin="raw.timeout_lock+unlock",
+        samples=1,
+        median_us=1.0,
+        p90_us=1.0,
+        p99_us=1.0,
+        ratio_to_floor=1.0,
+        ratio_to_twin=1.0,
+        round_ratios_to_floor=[],
+        cpu_median_us=1.0,
+        cpu_ratio_to_floor=1.0,
+        cpu_ratio_to_twin=ordered[len(ordered) // 2],
+        round_trips=2,
+        cpu_round_ratios_to_twin=rounds,
+    )
+
+
+def _throughput_row(kind: str, rounds: list[float]) -> ThroughputResult:
+    ordered = sorted(rounds)
+    return ThroughputResult(kind, kind, "one", 4, [1.0], 1.0, ordered[len(ordered) // 2], rounds)
+
+
+def _report(**parts: object) -> Report:
+    return Report({}, {}, "raw.select1", **parts)  # type: ignore[arg-type]
+
+
+def test_each_verdict_follows_ours_and_the_contract_floor() -> None:
+    report = _report(
+        uncontended=[
+            # Engine: the contract floor misses 1.3x, so no lock keeping it can meet it.
+            _cpu_row("floor.engine.timeout", [1.7, 1.8, 1.8]),
+            _cpu_row("floor.engine.contract", [1.9, 1.9, 2.0]),
+            _cpu_row("ours.engine.timeout", [2.4, 2.5, 2.5]),
+            # Connection: the contract floor meets it in every round, ours in none.
+            _cpu_row("floor.connection.timeout", [1.1, 1.2, 1.2]),
+            _cpu_row("floor.connection.contract", [1.25, 1.28, 1.29]),
+            _cpu_row("ours.connection.timeout", [1.5, 1.6, 1.7]),
+            # Django: ours meets it in two rounds of three.
+            _cpu_row("floor.django.timeout", [1.0, 1.1, 1.1]),
+            _cpu_row("floor.django.contract", [1.1, 1.1, 1.2]),
+            _cpu_row("ours.django.timeout", [1.2, 1.25, 1.4]),
+        ],
+        handoff=[],
+    )
+
+    verdicts = {(row.target.what, row.bind): row.verdict for row in judge(report)}
+
+    assert verdicts == {
+        ("client CPU <= 1.3x", "`Engine`"): "unreachable",
+        ("client CPU <= 1.3x", "`Connection`"): "open",
+        ("client CPU <= 1.3x", "Django"): "met, undecided",
+    }
+    lines = render_targets(report)
+    assert lines[2] == (
+        "| client CPU <= 1.3x | `Engine` | 1.80x | 1.90x | 0/3 | 2.50x | 0/3 | unreachable |"
+    )
+    assert lines[3].startswith("|  | `Connection` | 1.20x | 1.28x | 3/3 | 1.60x | 0/3 | open")
+
+
+def test_a_throughput_target_is_met_at_or_above_its_limit() -> None:
+    report = _report(
+        uncontended=[],
+        handoff=[],
+        throughput=[
+            _throughput_row("floor.connection.timeout", [0.9, 0.9]),
+            _throughput_row("floor.connection.contract", [0.85, 0.86]),
+            _throughput_row("ours.connection.timeout", [0.84, 0.86]),
+        ],
+    )
+
+    (row,) = judge(report)
+
+    assert (row.target.what, row.bind) == ("throughput, one key, >= 0.85x", "`Connection`")
+    assert row.verdict == "met, undecided"  # the median of two rounds: 0.85
+
+
+def test_a_handoff_is_judged_round_by_round_against_the_reference() -> None:
+    # Five trials in two rounds: the first round takes the remainder (three trials).
+    assert split_rounds([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [[1.0, 2.0, 3.0], [4.0, 5.0]]
+    latencies = {
+        "raw.handoff": [1.0, 1.0, 1.0, 2.0, 2.0],
+        "floor.engine.handoff.timeout": [1.0, 1.0, 1.0, 2.0, 2.0],
+        "floor.engine.contract.handoff": [1.05, 1.05, 1.05, 2.1, 2.1],
+        "ours.handoff.timeout": [1.2, 1.2, 1.2, 2.0, 2.0],
+    }
+    names = {name: "" for name in latencies}
+
+    handoff = handoff_results(latencies, names, "raw.handoff", rounds=2)
+    (row,) = judge(_report(uncontended=[], handoff=handoff))
+
+    assert handoff[3].round_ratios_p50_to_raw == [1.2, 1.0]
+    assert row.bind == "`Engine`"
+    assert row.verdict == "open, undecided"
