@@ -14,6 +14,7 @@ import functools
 import inspect
 import logging
 import string
+import threading
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Final, TypeVar, cast
@@ -32,6 +33,7 @@ from advisory_locks._core.executors import StatementRefused
 from advisory_locks.errors import (
     AdvisoryLockError,
     LockLost,
+    LockUsageError,
     UnsupportedFeature,
 )
 from advisory_locks.keys import KeyScheme, LockKey, LockName, derive_key
@@ -308,6 +310,16 @@ class DjangoAdvisoryLock(AdvisoryLock):
             AdvisoryLock.release(self)  # raises the core's "not held" error
             return
         locks: DjangoConnectionLocks = borrowed.state  # type: ignore[assignment]
+        owner = self._owner
+        if atomics[-1] is not None and owner is not None and owner[0] != threading.get_ident():
+            # The atomic() block this lock opened is its thread's: another thread's
+            # __exit__ would act on that thread's own connection and leave this one in a
+            # transaction that keeps the lock, with the object claiming it let go.
+            raise LockUsageError(
+                f"transaction lock {self.name!r} opened an atomic() block in the thread "
+                "that acquired it; release it in that thread (Django's transactions "
+                "belong to their thread)"
+            )
         atomic = atomics.pop()
         try:
             try:

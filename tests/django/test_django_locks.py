@@ -179,6 +179,27 @@ def test_a_transaction_lock_opens_atomic_when_none_is_open(admin: Admin) -> None
     assert holders(admin, name) == []
 
 
+def test_a_transaction_lock_that_opened_atomic_is_released_only_in_its_thread(
+    admin: Admin,
+) -> None:
+    # The atomic() block is the acquiring thread's: released from another thread, its
+    # __exit__ would run on that thread's connection, and this one would stay in a
+    # transaction that keeps the lock while the object said it had let go.
+    name = unique_name()
+    lock = advisory_lock(name, transaction=True)
+    assert lock.acquire()
+    try:
+        with pytest.raises(LockUsageError, match="release it in that thread"):
+            in_thread(lock.release)
+        assert lock.held
+        assert connection.in_atomic_block
+        assert holders(admin, name) == [server_pid()]
+    finally:
+        lock.release()
+    assert not connection.in_atomic_block
+    assert holders(admin, name) == []
+
+
 def test_a_transaction_lock_lives_until_the_outer_atomic_commits(admin: Admin) -> None:
     name = unique_name()
     with transaction.atomic():
