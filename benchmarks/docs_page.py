@@ -152,7 +152,8 @@ def render(report: Report, arguments: list[str]) -> str:
             "throughput's). **met**: ours meets it; **open**: the contract floor meets it "
             "and ours does not; **unreachable**: the contract floor misses it too, so no "
             "lock that keeps the contract meets it on this machine; *undecided*: the "
-            "rounds of ours or of the contract floor fall on both sides of the target.",
+            "rounds the verdict rests on (those of ours for met, of ours and the contract "
+            "floor otherwise) fall on both sides of the target.",
             "",
             *targets,
             "",

@@ -5,8 +5,9 @@ contract floor (the least a lock keeping the contract does there) and ours, each
 how many of the run's rounds met the target. The verdict: **met** when ours meets it;
 **open** when the contract floor meets it and ours does not, so a leaner library could;
 **unreachable** when the contract floor misses it too, so no lock keeping the contract
-can meet it on this machine. A verdict is *undecided* when the rounds of ours or of the
-contract floor fall on both sides of the target.
+can meet it on this machine. A verdict is *undecided* when the rounds it rests on fall
+on both sides of the target: those of ours for met, of ours and the contract floor
+otherwise.
 """
 
 from __future__ import annotations
@@ -143,7 +144,10 @@ class Judged:
             verdict = "open"
         else:
             verdict = "unreachable"
-        if not (self._decided(self.ours) and self._decided(self.contract)):
+        # A verdict of met rests on ours alone; open and unreachable on the contract
+        # floor too.
+        decided = self._decided(self.ours) and (verdict == "met" or self._decided(self.contract))
+        if not decided:
             verdict += ", undecided"
         return verdict
 
