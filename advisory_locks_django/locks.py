@@ -14,10 +14,9 @@ import functools
 import inspect
 import logging
 import string
-import threading
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Final, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
@@ -49,6 +48,9 @@ from advisory_locks_django._binding import (
 )
 from advisory_locks_django._compat import connection_usable
 from advisory_locks_django.conf import lock_settings
+
+if TYPE_CHECKING:
+    from django.db.backends.base.base import BaseDatabaseWrapper
 
 __all__ = ["DjangoAdvisoryLock", "NameSpec", "advisory_lock", "current_advisory_locks"]
 
@@ -145,10 +147,21 @@ class DjangoAdvisoryLock(AdvisoryLock):
     another one, since a lock is made, taken and given back on every use.
     """
 
-    __slots__ = ("_atomics", "_name", "key_prefix", "key_scheme", "skip_if_locked", "using")
+    __slots__ = (
+        "_atomic_on",
+        "_atomics",
+        "_name",
+        "key_prefix",
+        "key_scheme",
+        "skip_if_locked",
+        "using",
+    )
 
     # None for a decorator's lock, whose name comes from each call's arguments.
     _atomics: list[django_transaction.Atomic | None] | None
+    # The connection (its thread's) that the atomic() block this lock opened is on,
+    # while the block is open. Only the first holder opens one: re-entries run inside it.
+    _atomic_on: BaseDatabaseWrapper | None
 
     def __init__(
         self,
@@ -198,6 +211,7 @@ class DjangoAdvisoryLock(AdvisoryLock):
             # A decorator's, with no key of its own (key_info stays unset): each call
             # makes its own lock from the call's arguments.
             self._atomics = None
+            self._atomic_on = None
             self._site = site
             self.options = options
             self._count = 0
@@ -207,6 +221,7 @@ class DjangoAdvisoryLock(AdvisoryLock):
         # Per holder (re-entry adds one): the atomic() block its acquire opened
         # (transaction=True outside one), or None.
         self._atomics = []
+        self._atomic_on = None
         # Bad names and options fail here, before any SQL.
         AdvisoryLock.__init__(self, site, derive_key(name, scheme=scheme, prefix=prefix), options)
 
@@ -240,6 +255,7 @@ class DjangoAdvisoryLock(AdvisoryLock):
                 )
             atomic = django_transaction.atomic(using=self.using)
             atomic.__enter__()
+            self._atomic_on = wrapper
         try:
             try:
                 granted = AdvisoryLock.acquire(self)
@@ -310,17 +326,20 @@ class DjangoAdvisoryLock(AdvisoryLock):
             AdvisoryLock.release(self)  # raises the core's "not held" error
             return
         locks: DjangoConnectionLocks = borrowed.state  # type: ignore[assignment]
-        owner = self._owner
-        if atomics[-1] is not None and owner is not None and owner[0] != threading.get_ident():
-            # The atomic() block this lock opened is its thread's: another thread's
-            # __exit__ would act on that thread's own connection and leave this one in a
-            # transaction that keeps the lock, with the object claiming it let go.
+        opened_on = self._atomic_on
+        if opened_on is not None and connections[self.using] is not opened_on:
+            # The atomic() block this lock opened belongs to its thread's connection:
+            # another thread's release would pop a holder and, at the block's holder,
+            # run __exit__ on its own thread's connection, leaving this one in a
+            # transaction that keeps the lock while the object says it let go.
             raise LockUsageError(
                 f"transaction lock {self.name!r} opened an atomic() block in the thread "
                 "that acquired it; release it in that thread (Django's transactions "
                 "belong to their thread)"
             )
         atomic = atomics.pop()
+        if atomic is not None:
+            self._atomic_on = None
         try:
             try:
                 AdvisoryLock.release(self)
@@ -344,6 +363,8 @@ class DjangoAdvisoryLock(AdvisoryLock):
             # Refused unsent (a psycopg pipeline): still held, by the server and this
             # object, to be released again.
             atomics.append(atomic)
+            if atomic is not None:
+                self._atomic_on = opened_on
             raise
         except BaseException as error:
             if atomic is not None:

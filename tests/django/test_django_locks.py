@@ -200,6 +200,25 @@ def test_a_transaction_lock_that_opened_atomic_is_released_only_in_its_thread(
     assert holders(admin, name) == []
 
 
+def test_a_reentered_transaction_lock_refuses_another_threads_release_of_an_inner_holder(
+    admin: Admin,
+) -> None:
+    # The inner holder opened no block (it runs inside the outer's), but releasing it
+    # from another thread would leave the owner's inner exit to close the outer's block.
+    name = unique_name()
+    lock = advisory_lock(name, transaction=True)
+    with lock:
+        with lock:
+            with pytest.raises(LockUsageError, match="release it in that thread"):
+                in_thread(lock.release)
+            assert holders(admin, name) == [server_pid()]
+        assert lock.held
+        assert connection.in_atomic_block
+        assert holders(admin, name) == [server_pid()]
+    assert not connection.in_atomic_block
+    assert holders(admin, name) == []
+
+
 def test_a_transaction_lock_lives_until_the_outer_atomic_commits(admin: Admin) -> None:
     name = unique_name()
     with transaction.atomic():
