@@ -151,9 +151,10 @@ def render(report: Report, arguments: list[str]) -> str:
             "whose ratio met the target (the uncontended and handoff parts' rounds, the "
             "throughput's). **met**: ours meets it; **open**: the contract floor meets it "
             "and ours does not; **unreachable**: the contract floor misses it too, so no "
-            "lock that keeps the contract meets it on this machine; *undecided*: the "
-            "rounds the verdict rests on (those of ours for met, of ours and the contract "
-            "floor otherwise) fall on both sides of the target.",
+            "lock that keeps the contract meets it on this machine; **missed (no contract "
+            "floor)**: a raw-driver bind the benchmarks have no contract floor for; "
+            "*undecided*: not every round the verdict rests on (those of ours, and of the "
+            "contract floor for open and unreachable) fell on the verdict's side.",
             "",
             *targets,
             "",

@@ -5,9 +5,9 @@ contract floor (the least a lock keeping the contract does there) and ours, each
 how many of the run's rounds met the target. The verdict: **met** when ours meets it;
 **open** when the contract floor meets it and ours does not, so a leaner library could;
 **unreachable** when the contract floor misses it too, so no lock keeping the contract
-can meet it on this machine. A verdict is *undecided* when the rounds it rests on fall
-on both sides of the target: those of ours for met, of ours and the contract floor
-otherwise.
+can meet it on this machine; **missed (no contract floor)** where the benchmarks have no
+contract floor for the bind. A verdict is *undecided* unless every round it rests on
+(ours, and the contract floor's for open and unreachable) fell on the verdict's side.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from benchmarks.report import Report, ratio_text
+from benchmarks.report import Report
 
 __all__ = ["TARGETS", "Judged", "Target", "judge", "render_targets"]
 
@@ -31,8 +31,8 @@ class Target:
     # it (throughput).
     at_most: bool
     # bind -> (bind floor, contract floor, ours): case names in the part the target is
-    # measured by. A bind floor of None: the bind has no floor apart from the contract's.
-    binds: Mapping[str, tuple[str | None, str, str]]
+    # measured by. None: the benchmarks have no such floor for that bind.
+    binds: Mapping[str, tuple[str | None, str | None, str]]
     # How a case's figure is read off the report.
     read: Callable[[Report, str], Figure]
 
@@ -86,7 +86,13 @@ TARGETS = [
         "client CPU <= 1.1x (raw driver)",
         1.1,
         True,
-        {"psycopg `Connection`": (None, "floor.psycopg.contract", "ours.psycopg.timeout")},
+        {
+            "psycopg `Connection`": (None, "floor.psycopg.contract", "ours.psycopg.timeout"),
+            # Each against its own raw twin (the same driver or pool by hand).
+            "`psycopg_pool`": (None, None, "ours.psycopg_pool.timeout"),
+            "asyncpg `Connection`": (None, None, "ours.asyncpg.timeout"),
+            "asyncpg `Pool`": (None, None, "ours.asyncpg_pool.timeout"),
+        },
         _cpu,
     ),
     Target("throughput, one key, >= 0.85x", 0.85, False, dict(_UNCONTENDED), _throughput("one")),
@@ -128,28 +134,33 @@ class Judged:
         met = sum(self.target.meets(value) for value in figure[1])
         return f"{met}/{len(figure[1])}"
 
-    def _decided(self, figure: Figure) -> bool:
-        if figure is None or not figure[1]:
+    def _all_on(self, figure: Figure, meeting: bool) -> bool:
+        """Whether every round of ``figure`` fell on the side ``meeting`` says (the
+        run's figure itself may be pooled, as a handoff's p50 is, not a round's median)."""
+        if figure is None:
             return True
-        sides = {self.target.meets(value) for value in figure[1]}
-        return len(sides) == 1
+        return all(self.target.meets(value) is meeting for value in figure[1])
 
     @property
     def verdict(self) -> str:
-        if self.ours is None or self.contract is None:
+        if self.ours is None:
             return "not measured"
-        if self.target.meets(self.ours[0]):
+        met = self.target.meets(self.ours[0])
+        if self.contract is None:
+            # A bind without a contract floor in the run: nothing says whether a lock
+            # keeping the contract could meet it there.
+            verdict = "met" if met else "missed (no contract floor)"
+            decided = self._all_on(self.ours, met)
+        elif met:
             verdict = "met"
+            decided = self._all_on(self.ours, True)
         elif self.target.meets(self.contract[0]):
             verdict = "open"
+            decided = self._all_on(self.ours, False) and self._all_on(self.contract, True)
         else:
             verdict = "unreachable"
-        # A verdict of met rests on ours alone; open and unreachable on the contract
-        # floor too.
-        decided = self._decided(self.ours) and (verdict == "met" or self._decided(self.contract))
-        if not decided:
-            verdict += ", undecided"
-        return verdict
+            decided = self._all_on(self.ours, False) and self._all_on(self.contract, False)
+        return verdict if decided else verdict + ", undecided"
 
     def cells(self) -> list[str]:
         return [
@@ -163,11 +174,12 @@ class Judged:
 
 
 def _figure(figure: Figure) -> str:
-    return "-" if figure is None else ratio_text(figure[0])
+    # Three decimals: a verdict on 1.303 against 1.3 must not read as 1.30x.
+    return "-" if figure is None else f"{figure[0]:.3f}x"
 
 
 def judge(report: Report) -> list[Judged]:
-    """Every target on every bind the run measured (ours and the contract floor both)."""
+    """Every target on every bind whose library case the run measured."""
     judged = []
     for target in TARGETS:
         for bind, (floor, contract, ours) in target.binds.items():
@@ -175,10 +187,10 @@ def judge(report: Report) -> list[Judged]:
                 target,
                 bind,
                 None if floor is None else target.read(report, floor),
-                target.read(report, contract),
+                None if contract is None else target.read(report, contract),
                 target.read(report, ours),
             )
-            if row.ours is not None or row.contract is not None:
+            if row.ours is not None:
                 judged.append(row)
     return judged
 
