@@ -255,7 +255,6 @@ class DjangoAdvisoryLock(AdvisoryLock):
                 )
             atomic = django_transaction.atomic(using=self.using)
             atomic.__enter__()
-            self._atomic_on = wrapper
         try:
             try:
                 granted = AdvisoryLock.acquire(self)
@@ -275,6 +274,9 @@ class DjangoAdvisoryLock(AdvisoryLock):
             if atomic is not None:
                 atomic.__exit__(None, None, None)
             return False
+        if atomic is not None:
+            # Set once granted: a failed acquire's block is closed already.
+            self._atomic_on = wrapper
         atomics.append(atomic)
         return True
 

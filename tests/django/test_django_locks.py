@@ -219,6 +219,29 @@ def test_a_reentered_transaction_lock_refuses_another_threads_release_of_an_inne
     assert holders(admin, name) == []
 
 
+def test_a_refused_transaction_lock_leaves_no_block_for_another_threads_release(
+    admin: Admin,
+) -> None:
+    # The block a refused acquire opened is closed at once: the object, used next by
+    # another thread inside that thread's own atomic(), is released there as usual.
+    name = unique_name()
+    lock = advisory_lock(name, transaction=True, timeout=0)
+    holder = advisory_lock(name)
+    with holder:
+        assert in_thread(lock.acquire) is False
+
+    def take_and_release_inside_atomic() -> list[int]:
+        with transaction.atomic():
+            assert lock.acquire()
+            pids = holders(admin, name)
+            lock.release()  # a transaction lock: held until the atomic() block ends
+        return pids
+
+    assert in_thread(take_and_release_inside_atomic) != []
+    assert holders(admin, name) == []
+    assert not connection.in_atomic_block
+
+
 def test_a_transaction_lock_lives_until_the_outer_atomic_commits(admin: Admin) -> None:
     name = unique_name()
     with transaction.atomic():
