@@ -37,25 +37,29 @@ _HERE = str(Path(__file__).resolve())
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
 
+def _relative(filename: str) -> str | None:
+    """A code object's file within site-packages or this repository (None: neither)."""
+    if "site-packages/" in filename:
+        return filename.split("site-packages/", 1)[1]
+    if filename.startswith(_ROOT):
+        return filename[len(_ROOT) + 1 :]
+    return None
+
+
 def _package(filename: str) -> str:
     """Which package a code object's file belongs to."""
     if filename.startswith("<"):
         return "library"  # dataclass-generated methods (the library's Holding)
-    if "site-packages/" in filename:
-        return filename.split("site-packages/", 1)[1].split("/", 1)[0]
-    if filename.startswith(_ROOT):
-        return filename[len(_ROOT) + 1 :].split("/", 1)[0].replace("advisory_locks", "library")
-    return "stdlib"
+    relative = _relative(filename)
+    if relative is None:
+        return "stdlib"
+    return relative.split("/", 1)[0].replace("advisory_locks", "library")
 
 
 def _where(frame: FrameType) -> str:
     code = frame.f_code
-    filename = code.co_filename
-    if "site-packages/" in filename:
-        filename = filename.split("site-packages/", 1)[1]
-    elif filename.startswith(_ROOT):
-        filename = filename[len(_ROOT) + 1 :]
-    return f"{filename}:{code.co_firstlineno} {code.co_name}"
+    relative = _relative(code.co_filename)
+    return f"{relative or code.co_filename}:{code.co_firstlineno} {code.co_name}"
 
 
 def count(kind: str, ops: int, top: int) -> None:
