@@ -230,14 +230,15 @@ def test_a_refused_transaction_lock_leaves_no_block_for_another_threads_release(
     with holder:
         assert in_thread(lock.acquire) is False
 
-    def take_and_release_inside_atomic() -> list[int]:
+    def take_and_release_inside_atomic() -> tuple[list[int], int]:
         with transaction.atomic():
             assert lock.acquire()
             pids = holders(admin, name)
             lock.release()  # a transaction lock: held until the atomic() block ends
-        return pids
+        return pids, server_pid()
 
-    assert in_thread(take_and_release_inside_atomic) != []
+    pids, pid = in_thread(take_and_release_inside_atomic)
+    assert pids == [pid]
     assert holders(admin, name) == []
     assert not connection.in_atomic_block
 
