@@ -25,6 +25,7 @@ from advisory_locks._bindings._raw import (
 from advisory_locks._bindings.raw_lease import LeaseDriver
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import pipeline_refusal, psycopg_cursor
+from advisory_locks._core.libpq import NOT_SENT, LibpqStatements, libpq_statements
 from advisory_locks._core.steps import SCRIPT, VALUE, Statement, run_steps
 from advisory_locks._dialects import Backend
 
@@ -50,7 +51,15 @@ class PsycopgLockExecutor:
     closed connection fails, and that error says the connection is gone.)
     """
 
-    __slots__ = ("_backend", "_cursor", "_mutex", "connection", "session_driver", "state")
+    __slots__ = (
+        "_backend",
+        "_cursor",
+        "_libpq",
+        "_mutex",
+        "connection",
+        "session_driver",
+        "state",
+    )
 
     def __init__(
         self,
@@ -65,6 +74,8 @@ class PsycopgLockExecutor:
         self._backend = backend
         self._cursor: Any = None
         self._mutex = threading.Lock()
+        # Made with the cursor: value statements in autocommit go without it (see libpq).
+        self._libpq: LibpqStatements | None = None
         # Given for a session lock's executor: a statement on an idle connection that is
         # not in autocommit runs switched to autocommit by this driver, so it begins no
         # transaction (the rule of _raw.SyncAutocommitExecutor, asked here in the same
@@ -87,8 +98,14 @@ class PsycopgLockExecutor:
                 cursor = self._cursor
                 if cursor is None:
                     cursor = self._cursor = psycopg_cursor(connection)
+                    self._libpq = libpq_statements(cursor)
                 kind = statement.kind
                 if kind == VALUE:
+                    libpq = self._libpq
+                    if libpq is not None:
+                        value = libpq.value(statement)
+                        if value is not NOT_SENT:
+                            return value
                     cursor.execute(statement.sql, statement.params)
                     row = cursor.fetchone()
                     return None if row is None else row[0]

@@ -22,6 +22,7 @@ from advisory_locks._bindings._raw import (
 from advisory_locks._bindings.psycopg import OPEN_TRANSACTION
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import pipeline_refusal, psycopg_cursor
+from advisory_locks._core.libpq import NOT_SENT, LibpqStatements, libpq_statements
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, arun_steps
 from advisory_locks.errors import UnsupportedFeature
 
@@ -40,22 +41,31 @@ class AsyncPsycopgExecutor:
     the cursor: the second gets one of its own for that statement.
     """
 
-    __slots__ = ("_busy", "_cursor", "connection", "state")
+    __slots__ = ("_busy", "_cursor", "_libpq", "connection", "state")
 
     def __init__(self, connection: Any, state: dict[str, Any]) -> None:
         self.connection = connection
         self.state = state
         self._cursor: Any = None
         self._busy = False
+        # Made with the cursor: value statements in autocommit go without it (see
+        # libpq), under the connection's own lock.
+        self._libpq: LibpqStatements | None = None
 
     async def execute(self, statement: Statement) -> object:
         if self.connection._pipeline is not None:
             raise pipeline_refusal()
-        if self._busy:
-            return await self._run(psycopg_cursor(self.connection), statement)
         cursor = self._cursor
         if cursor is None or cursor.closed:
             cursor = self._cursor = psycopg_cursor(self.connection)
+            self._libpq = libpq_statements(cursor)
+        libpq = self._libpq
+        if libpq is not None and statement.kind == VALUE:
+            value = await libpq.avalue(statement)
+            if value is not NOT_SENT:
+                return value
+        if self._busy:
+            return await self._run(psycopg_cursor(self.connection), statement)
         self._busy = True
         try:
             return await self._run(cursor, statement)

@@ -86,9 +86,11 @@ from advisory_locks._core.executors import (
     in_pipeline,
     libpq_connection,
     pipeline_refusal,
+    psycopg_cursor,
     restore_driver_autocommit,
     set_driver_autocommit,
 )
+from advisory_locks._core.libpq import NOT_SENT, libpq_statements
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, Steps, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect, loaded_backends
 from advisory_locks.errors import (
@@ -453,11 +455,14 @@ class AdaptedPsycopgExecutor:
     transaction state, so both paths see the same transaction.
     """
 
-    __slots__ = ("_driver", "_executor")
+    __slots__ = ("_driver", "_executor", "_libpq")
 
     def __init__(self, adapter: Any, driver: Any, state: dict[str, Any]) -> None:
         self._executor = DBAPIExecutor(adapter, state)
         self._driver = driver
+        # Value statements in autocommit go to the AsyncConnection without a cursor
+        # (see libpq), unless the application gave it a cursor class of its own.
+        self._libpq = libpq_statements(psycopg_cursor(driver))
 
     @property
     def connection(self) -> Any:
@@ -470,9 +475,15 @@ class AdaptedPsycopgExecutor:
     def execute(self, statement: Statement) -> object:
         if self._driver._pipeline is not None:
             raise pipeline_refusal()
-        if statement.kind == SCRIPT:
+        kind = statement.kind
+        if kind == SCRIPT:
             await_only(self._driver.execute(statement.sql, prepare=False))
             return None
+        libpq = self._libpq
+        if libpq is not None and kind == VALUE:
+            value = await_only(libpq.avalue(statement))
+            if value is not NOT_SENT:
+                return value
         return self._executor.execute(statement)
 
 

@@ -14,6 +14,7 @@ import socket
 import threading
 from typing import Any, Final
 
+from advisory_locks._core.libpq import NOT_SENT, LibpqStatements, libpq_statements
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
 from advisory_locks._dialects.base import SERVER_VERSION_STATE
 from advisory_locks.errors import LockUsageError
@@ -73,6 +74,7 @@ class DBAPIExecutor:
     __slots__ = (
         "_check_closed",
         "_cursor",
+        "_libpq",
         "_mutex",
         "_pipelines",
         "_script_options",
@@ -92,6 +94,9 @@ class DBAPIExecutor:
         self._script_options: dict[str, Any] = {"prepare": False} if psycopg3 else {}
         # Whether the connection has psycopg 3's pipeline mode (see pipeline_refusal).
         self._pipelines = psycopg3
+        # Made with the cursor: psycopg 3 sends value statements in autocommit without
+        # one (see libpq).
+        self._libpq: LibpqStatements | None = None
         # Set for each new cursor: whether it is asked before each statement if it is
         # closed (see _closes_with_connection).
         self._check_closed = False
@@ -131,8 +136,15 @@ class DBAPIExecutor:
                 if cursor is None or (self._check_closed and cursor.closed is True):
                     cursor = self._cursor = self.new_cursor()
                     self._check_closed = _closes_with_connection(cursor)
+                    if self._pipelines:
+                        self._libpq = libpq_statements(cursor)
                 kind = statement.kind
                 if kind == VALUE:
+                    libpq = self._libpq
+                    if libpq is not None:
+                        value = libpq.value(statement)
+                        if value is not NOT_SENT:
+                            return value
                     cursor.execute(statement.sql, tuple(statement.params))
                     row = cursor.fetchone()
                     return None if row is None else row[0]

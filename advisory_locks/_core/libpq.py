@@ -1,0 +1,251 @@
+"""A lock statement sent straight through psycopg 3's libpq wrapper.
+
+A psycopg cursor spends most of a lock's client CPU: it parses the query for
+placeholders, picks a dumper per parameter, keeps its prepared-statement cache, builds
+a result set and a row maker, for a statement with two small parameters and one value
+back. On a connection in autocommit and idle, which is where every session lock's
+statements run (the executors switch a non-autocommit connection first), a lock
+statement does not need any of that: ``LibpqStatements`` sends it with
+``PGconn.send_query_params`` / ``send_query_prepared`` (``psycopg.pq``, psycopg's
+public libpq interface) and lets the connection's own ``wait()`` drive psycopg's
+``execute`` generator, which is how a cursor sends it too. So the connection's lock is
+held for the round trip, an interrupted wait cancels the query on the server, and
+notifications and notices reach the connection's handlers as before; errors are the
+exceptions a cursor raises (``psycopg.errors.error_from_result`` on the result).
+
+What the cursor decides, this decides the same way:
+
+- parameters: ``int`` as int2, int4 or int8 by its size and ``str`` as unknown, in text,
+  as psycopg's default dumpers send them, so the server resolves the same functions;
+- preparing: after ``prepare_threshold`` unprepared executions of a statement, never
+  with ``prepare_threshold=None`` (Django's default, and what a transaction pooler
+  needs); the statement is prepared under a name of its own text and types, so that a
+  name always means one statement;
+- the value: ``bool``, integer types and text as psycopg's default loaders make them;
+  any other type through psycopg's ``Transformer``.
+
+Anything else returns ``NOT_SENT`` before a byte is sent, and the executor sends the
+statement through its cursor: a transaction open or a non-autocommit connection (where
+psycopg begins one, and where a prepared statement that the application deallocated
+would fail the application's transaction), another parameter type, a non-ASCII text
+parameter, a connection that is not OK. A prepared statement the server no longer has
+(``DEALLOCATE ALL``, ``DISCARD ALL``, a pool's reset) fails without running, outside
+any transaction, and is sent again unprepared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Final
+
+from advisory_locks._core.steps import Statement
+
+__all__ = ["NOT_SENT", "LibpqStatements", "libpq_statements"]
+
+NOT_SENT: Final = object()
+"""``LibpqStatements.value``: not sent; send the statement through the cursor."""
+
+# psycopg.pq's enums, as the values they compare equal to.
+_IDLE: Final = 0  # TransactionStatus.IDLE
+_OK: Final = 0  # ConnStatus.OK
+_TUPLES_OK: Final = 2  # ExecStatus.TUPLES_OK
+_COMMAND_OK: Final = 1  # ExecStatus.COMMAND_OK
+_FATAL_ERROR: Final = 7  # ExecStatus.FATAL_ERROR
+_SQLSTATE: Final = ord("C")  # DiagnosticField.SQLSTATE
+# The server's "prepared statement does not exist" and "... already exists".
+_UNDEFINED: Final = b"26000"
+_EXISTS: Final = b"42P05"
+
+_INT2: Final = 21
+_INT4: Final = 23
+_INT8: Final = 20
+_BOOL: Final = 16
+_INT_TYPES: Final = frozenset((_INT2, _INT4, _INT8, 26))  # oid too
+
+_PLACEHOLDER: Final = re.compile(r"%(.)", re.DOTALL)
+
+
+class _Plan:
+    """One statement text with one set of parameter types, on one connection."""
+
+    __slots__ = ("command", "count", "name", "types")
+
+    def __init__(self, command: bytes, types: tuple[int, ...]) -> None:
+        self.command = command
+        self.types = types
+        self.count = 0  # executions unprepared so far
+        self.name: bytes | None = None  # prepared under this name
+
+
+def _command(sql: str) -> bytes | None:
+    """``sql`` with ``%s`` as ``$1``, ``$2``...; None where it has other placeholders."""
+    number = 0
+    refused = False
+
+    def replace(match: re.Match[str]) -> str:
+        nonlocal number, refused
+        char = match.group(1)
+        if char == "%":
+            return "%"
+        if char != "s":
+            refused = True  # %(name)s, %b, %t: the cursor's business
+            return ""
+        number += 1
+        return f"${number}"
+
+    converted = _PLACEHOLDER.sub(replace, sql)
+    return None if refused or not converted.isascii() else converted.encode()
+
+
+class LibpqStatements:
+    """Sends the value statements of one psycopg 3 connection through libpq (see the
+    module). Made with the executor's cursor, for psycopg's own cursor classes only;
+    the executor holds its mutex around ``value()``."""
+
+    __slots__ = ("_execute", "_plans", "_transformer", "connection", "pgconn")
+
+    def __init__(self, connection: Any) -> None:
+        from psycopg import generators
+
+        self.connection = connection
+        self.pgconn = connection.pgconn
+        self._execute = generators.execute
+        # Statement text and parameter types -> its plan; None: the cursor's to send.
+        self._plans: dict[tuple[str, tuple[int, ...]], _Plan | None] = {}
+        self._transformer: Any = None
+
+    def value(self, statement: Statement) -> object:
+        """Run the VALUE ``statement`` on a blocking connection: its value, or
+        ``NOT_SENT``."""
+        planned = self._plan(statement)
+        if planned is None:
+            return NOT_SENT
+        connection = self.connection
+        with connection.lock:
+            result = connection.wait(self._exchange(*planned))
+        return self._answer(result)
+
+    async def avalue(self, statement: Statement) -> object:
+        """``value()`` on an ``AsyncConnection``."""
+        planned = self._plan(statement)
+        if planned is None:
+            return NOT_SENT
+        connection = self.connection
+        async with connection.lock:
+            result = await connection.wait(self._exchange(*planned))
+        return self._answer(result)
+
+    def _plan(self, statement: Statement) -> tuple[_Plan, list[bytes]] | None:
+        """The statement's plan and parameter values; None: the cursor's to send."""
+        pgconn = self.pgconn
+        if (
+            pgconn.transaction_status != _IDLE
+            or not self.connection.autocommit
+            or pgconn.status != _OK
+        ):
+            return None
+        values: list[bytes] = []
+        types: list[int] = []
+        for param in statement.params:
+            if type(param) is int:
+                if -0x80000000 <= param <= 0x7FFFFFFF:
+                    types.append(_INT2 if -0x8000 <= param <= 0x7FFF else _INT4)
+                elif -0x8000000000000000 <= param <= 0x7FFFFFFFFFFFFFFF:
+                    types.append(_INT8)
+                else:
+                    return None  # psycopg sends it as numeric
+                values.append(b"%d" % param)
+            elif type(param) is str and param.isascii():
+                types.append(0)
+                values.append(param.encode())
+            else:
+                return None
+        key = (statement.sql, tuple(types))
+        try:
+            plan = self._plans[key]
+        except KeyError:
+            command = _command(statement.sql)
+            plan = self._plans[key] = None if command is None else _Plan(command, key[1])
+        return None if plan is None else (plan, values)
+
+    def _exchange(self, plan: _Plan, values: list[bytes]) -> Any:
+        """The round trips of one statement, as a generator for the connection's
+        ``wait()`` (psycopg's ``PQGen``): it prepares the statement first when its time
+        has come, and returns the statement's last result."""
+        pgconn, execute = self.pgconn, self._execute
+        name = plan.name
+        if name is None:
+            threshold = self.connection.prepare_threshold
+            if threshold is None or plan.count < threshold:
+                plan.count += 1
+                pgconn.send_query_params(plan.command, values, plan.types)
+                return (yield from execute(pgconn))[-1]
+            name = _name(plan)
+            pgconn.send_prepare(name, plan.command, plan.types)
+            result = (yield from execute(pgconn))[-1]
+            # "Already exists": prepared on this server session through an earlier
+            # connection object (behind a session pooler), under the name of this very
+            # text and these types.
+            if result.status == _FATAL_ERROR and result.error_field(_SQLSTATE) != _EXISTS:
+                return result
+            plan.name = name
+        pgconn.send_query_prepared(name, values)
+        result = (yield from execute(pgconn))[-1]
+        if result.status == _FATAL_ERROR and result.error_field(_SQLSTATE) == _UNDEFINED:
+            # Deallocated since (DEALLOCATE ALL, DISCARD ALL, a pool's reset), and so
+            # not run, outside any transaction: send it unprepared.
+            plan.name = None
+            plan.count = 1
+            pgconn.send_query_params(plan.command, values, plan.types)
+            result = (yield from execute(pgconn))[-1]
+        return result
+
+    def _answer(self, result: Any) -> object:
+        """The first column of the first row, loaded as psycopg's cursor would; an error
+        result raised as the cursor would raise it."""
+        status = result.status
+        if status == _TUPLES_OK:
+            if not result.ntuples:
+                return None
+            value = result.get_value(0, 0)
+            if value is None:
+                return None
+            kind = result.ftype(0)
+            if kind == _BOOL:
+                return value == b"t"
+            if kind in _INT_TYPES:
+                return int(value)
+            transformer = self._transformer
+            if transformer is None:
+                from psycopg.adapt import Transformer
+
+                transformer = self._transformer = Transformer(self.connection)
+            transformer.set_pgresult(result)
+            return transformer.load_row(0, tuple)[0]
+        from psycopg import errors
+
+        if status == _FATAL_ERROR:
+            raise errors.error_from_result(result, encoding=self.connection.info.encoding)
+        if status == _COMMAND_OK:
+            raise errors.ProgrammingError("the last operation didn't produce records")
+        raise errors.InternalError(f"unexpected result status from query: {status}")
+
+
+def _name(plan: _Plan) -> bytes:
+    """The name ``plan`` is prepared under: one text and one set of types per name."""
+    digest = hashlib.sha256(plan.command + repr(plan.types).encode()).hexdigest()
+    return f"_advisory_locks_{digest[:24]}".encode()
+
+
+def libpq_statements(cursor: Any) -> LibpqStatements | None:
+    """``LibpqStatements`` for the connection of an executor's new ``cursor`` where that
+    cursor is psycopg's own ``Cursor`` or ``AsyncCursor``; None for any other cursor, so
+    that a cursor class the application set (one that logs or traces, as OpenTelemetry's
+    psycopg instrumentation sets) still sees every statement."""
+    import psycopg
+
+    cls = type(cursor)
+    if cls is psycopg.Cursor or cls is psycopg.AsyncCursor:
+        return LibpqStatements(cursor.connection)
+    return None

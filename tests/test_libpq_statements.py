@@ -1,0 +1,348 @@
+"""Value statements sent through psycopg 3's libpq wrapper (``advisory_locks._core.libpq``)
+rather than a cursor, on connections in autocommit: they answer and fail as a cursor
+does, are prepared when psycopg would prepare them, survive their prepared statements
+being deallocated, and leave everything else to the cursor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import decimal
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import TupleRow
+from sqlalchemy import create_engine
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from advisory_locks import LockTimeout, advisory_lock
+from advisory_locks._core.libpq import NOT_SENT, LibpqStatements, libpq_statements
+from advisory_locks._core.steps import VALUE, Statement
+from tests.helpers import holder_pids, unique_name, wait_for, waiter_pids
+
+Admin = psycopg.Connection[TupleRow]
+
+
+@pytest.fixture
+def dsn(postgres_url: URL) -> str:
+    return postgres_url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def connection(dsn: str) -> Iterator[psycopg.Connection[TupleRow]]:
+    with psycopg.connect(dsn, autocommit=True) as opened:
+        yield opened
+
+
+def ours(connection: psycopg.Connection[Any]) -> list[str]:
+    """The library's statements prepared on ``connection``'s server session."""
+    # Never prepared itself: psycopg < 3.2 does not see its own go with DEALLOCATE ALL.
+    rows = connection.execute(
+        "SELECT name FROM pg_prepared_statements WHERE name LIKE '\\_advisory\\_locks\\_%'",
+        prepare=False,
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+@pytest.mark.parametrize(
+    ("sql", "params"),
+    [
+        ("SELECT pg_backend_pid()", ()),
+        ("SELECT pg_advisory_unlock(%s)", (7_246_999,)),  # not held: False
+        ("SELECT %s::int8 + 1", (2**40,)),
+        ("SELECT %s::int4 * 2", (-40_000,)),
+        ("SELECT %s = 'x'", ("x",)),
+        ("SELECT %s || '%%'", ("ab",)),
+        ("SELECT pg_sleep(0)", ()),
+        ("SELECT NULL::int", ()),
+        ("SELECT 1 WHERE false", ()),
+        ("SELECT 1.5::numeric", ()),
+        ("SELECT '2026-11-28 12:00:00+00'::timestamptz", ()),
+        ("SELECT 'name'::name", ()),
+    ],
+)
+def test_a_value_is_what_the_cursor_would_return(
+    connection: psycopg.Connection[TupleRow], sql: str, params: tuple[object, ...]
+) -> None:
+    libpq = libpq_statements(connection.cursor())
+    assert libpq is not None
+    value = libpq.value(Statement(VALUE, sql, params))
+    assert value is not NOT_SENT
+    row = connection.cursor().execute(sql, params).fetchone()
+    expected = None if row is None else row[0]
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_the_loaded_types_are_psycopgs(connection: psycopg.Connection[TupleRow]) -> None:
+    libpq = LibpqStatements(connection)
+    assert libpq.value(Statement(VALUE, "SELECT 1.5::numeric")) == decimal.Decimal("1.5")
+    assert isinstance(libpq.value(Statement(VALUE, "SELECT now()")), datetime.datetime)
+    assert libpq.value(Statement(VALUE, "SELECT %s::int8 > 0", (1,))) is True
+
+
+@pytest.mark.parametrize(
+    ("sql", "params"),
+    [
+        ("SELECT %s", (True,)),  # psycopg sends bool as bool
+        ("SELECT %s", ("é",)),  # text in the connection's encoding
+        ("SELECT %s::numeric", (2**63,)),  # beyond int8: psycopg's numeric
+        ("SELECT %s", (None,)),
+        ("SELECT %s", (1.5,)),
+        ("SELECT %(key)s", {"key": 1}),  # named placeholders
+        ("SELECT %b", (1,)),  # binary placeholders
+    ],
+)
+def test_other_statements_are_left_to_the_cursor(
+    connection: psycopg.Connection[TupleRow], sql: str, params: Any
+) -> None:
+    libpq = LibpqStatements(connection)
+    assert libpq.value(Statement(VALUE, sql, params)) is NOT_SENT
+
+
+def test_nothing_is_sent_in_a_transaction_or_outside_autocommit(dsn: str) -> None:
+    statement = Statement(VALUE, "SELECT pg_backend_pid()")
+    with psycopg.connect(dsn) as connection:
+        libpq = LibpqStatements(connection)
+        # psycopg would begin a transaction first: the cursor's to send.
+        assert libpq.value(statement) is NOT_SENT
+        connection.execute("SELECT 1")
+        # Inside the transaction a deallocated prepared statement would fail it.
+        assert libpq.value(statement) is NOT_SENT
+        connection.rollback()
+        connection.autocommit = True
+        with connection.transaction():
+            assert libpq.value(statement) is NOT_SENT
+        assert libpq.value(statement) == connection.info.backend_pid
+
+
+def test_a_cursor_class_of_the_applications_keeps_every_statement(
+    connection: psycopg.Connection[TupleRow],
+) -> None:
+    # A cursor that logs or traces (OpenTelemetry's psycopg instrumentation sets one).
+    class TracingCursor(psycopg.Cursor[Any]):
+        pass
+
+    assert libpq_statements(TracingCursor(connection)) is None
+    assert libpq_statements(psycopg.ClientCursor(connection)) is None
+    assert libpq_statements(psycopg.Cursor(connection)) is not None
+
+
+def test_errors_are_the_cursors(connection: psycopg.Connection[TupleRow]) -> None:
+    libpq = LibpqStatements(connection)
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        libpq.value(Statement(VALUE, "SELECT 1 / %s", (0,)))
+    with pytest.raises(psycopg.errors.UndefinedFunction):
+        libpq.value(Statement(VALUE, "SELECT no_such_function(%s)", (1,)))
+    with pytest.raises(psycopg.ProgrammingError, match="didn't produce records"):
+        libpq.value(Statement(VALUE, "SET application_name = 'x'"))
+    # The connection is usable after each.
+    assert libpq.value(Statement(VALUE, "SELECT %s::int4", (7,))) == 7
+
+
+@pytest.mark.parametrize(("threshold", "unprepared"), [(None, 8), (0, 0), (2, 2)])
+def test_statements_are_prepared_when_psycopg_would(
+    dsn: str, threshold: int | None, unprepared: int
+) -> None:
+    name = unique_name("libpq-prepared")
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=threshold) as connection:
+        for _ in range(unprepared):
+            with advisory_lock(connection, name, timeout=1):
+                pass
+        assert ours(connection) == []
+        if threshold is None:
+            return
+        with advisory_lock(connection, name, timeout=1):
+            pass
+        # The lock and the unlock statements.
+        assert len(ours(connection)) == 2
+
+
+@pytest.mark.parametrize("reset", ["DEALLOCATE ALL", "DISCARD ALL"])
+def test_a_deallocated_statement_is_sent_again(dsn: str, pg_admin: Admin, reset: str) -> None:
+    name = unique_name("libpq-deallocated")
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as connection:
+        pid = connection.info.backend_pid
+        with advisory_lock(connection, name, timeout=1):
+            pass
+        assert ours(connection)
+        connection.execute(reset)
+        assert ours(connection) == []
+        for _ in range(2):
+            with advisory_lock(connection, name, timeout=1) as lock:
+                assert lock.held
+                assert holder_pids(pg_admin, name) == [pid]
+            assert holder_pids(pg_admin, name) == []
+        # Prepared again once sent again.
+        assert len(ours(connection)) == 2
+
+
+def test_a_deallocated_statement_is_sent_again_on_a_sqlalchemy_connection(
+    postgres_url: URL, pg_admin: Admin
+) -> None:
+    name = unique_name("libpq-deallocated-sqlalchemy")
+    engine = create_engine(postgres_url, connect_args={"prepare_threshold": 0})
+    try:
+        with engine.connect() as connection:
+            with advisory_lock(connection, name, timeout=1):
+                pass
+            connection.exec_driver_sql("DEALLOCATE ALL")
+            connection.commit()
+            for _ in range(2):
+                with advisory_lock(connection, name, timeout=1) as lock:
+                    assert lock.held
+                    assert len(holder_pids(pg_admin, name)) == 1
+                assert holder_pids(pg_admin, name) == []
+            driver = connection.connection.driver_connection
+            assert driver is not None
+            assert len(ours(driver)) == 2
+    finally:
+        engine.dispose()
+
+
+def test_a_statement_prepared_by_an_earlier_connection_object_is_used(
+    connection: psycopg.Connection[TupleRow],
+) -> None:
+    # As behind a session pooler that does not reset: the server session has the
+    # statement, and the connection object knows nothing of it.
+    connection.prepare_threshold = 0
+    statement = Statement(VALUE, "SELECT %s::int8 * 3", (5,))
+    assert LibpqStatements(connection).value(statement) == 15
+    assert LibpqStatements(connection).value(statement) == 15
+    assert len(ours(connection)) == 1
+
+
+def test_a_timeout_on_the_libpq_path_is_a_lock_timeout(dsn: str, pg_admin: Admin) -> None:
+    name = unique_name("libpq-timeout")
+    with (
+        psycopg.connect(dsn, autocommit=True) as holder,
+        psycopg.connect(dsn, autocommit=True) as waiter,
+        advisory_lock(holder, name),
+    ):
+        with pytest.raises(LockTimeout), advisory_lock(waiter, name, timeout=0.2):
+            pass
+        assert holder_pids(pg_admin, name) == [holder.info.backend_pid]
+        # The waiter's connection is idle and usable.
+        assert waiter.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_an_interrupted_wait_ends_on_the_server(dsn: str, pg_admin: Admin) -> None:
+    name = unique_name("libpq-interrupted")
+    with (
+        psycopg.connect(dsn, autocommit=True) as holder,
+        psycopg.connect(dsn, autocommit=True) as waiter,
+        advisory_lock(holder, name),
+    ):
+        main = threading.get_ident()
+
+        def interrupt() -> None:
+            wait_for(lambda: waiter_pids(pg_admin, name) != [], "the waiter queued")
+            signal.pthread_kill(main, signal.SIGINT)
+
+        interrupter = threading.Thread(target=interrupt)
+        interrupter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt), advisory_lock(waiter, name, timeout=30):
+                pass
+        finally:
+            interrupter.join()
+        # Interrupted mid-statement, the connection is in an unknown state: the library
+        # closes it (as on the cursor path), and its backend is never granted the lock.
+        assert waiter.closed
+        wait_for(lambda: waiter_pids(pg_admin, name) == [], "the wait ended on the server")
+        assert holder_pids(pg_admin, name) == [holder.info.backend_pid]
+    # The lock went with the holder, and the waiter was never granted it late.
+    assert holder_pids(pg_admin, name) == []
+
+
+async def ours_async(connection: psycopg.AsyncConnection[Any]) -> list[str]:
+    cursor = await connection.execute(
+        "SELECT name FROM pg_prepared_statements WHERE name LIKE '\\_advisory\\_locks\\_%'",
+        prepare=False,
+    )
+    return [row[0] for row in await cursor.fetchall()]
+
+
+async def test_async_locks_are_prepared_and_survive_deallocation(dsn: str, pg_admin: Admin) -> None:
+    name = unique_name("libpq-async")
+    async with await psycopg.AsyncConnection.connect(
+        dsn, autocommit=True, prepare_threshold=0
+    ) as connection:
+        pid = connection.info.backend_pid
+        async with advisory_lock(connection, name, timeout=1):
+            assert holder_pids(pg_admin, name) == [pid]
+        assert len(await ours_async(connection)) == 2
+        await connection.execute("DEALLOCATE ALL")
+        for _ in range(2):
+            async with advisory_lock(connection, name, timeout=1) as lock:
+                assert lock.held
+                assert holder_pids(pg_admin, name) == [pid]
+            assert holder_pids(pg_admin, name) == []
+        assert len(await ours_async(connection)) == 2
+
+
+async def test_async_sqlalchemy_locks_survive_deallocation(
+    postgres_url: URL, pg_admin: Admin
+) -> None:
+    name = unique_name("libpq-async-sqlalchemy")
+    engine = create_async_engine(
+        postgres_url.set(drivername="postgresql+psycopg_async"),
+        connect_args={"prepare_threshold": 0},
+    )
+    try:
+        async with engine.connect() as connection:
+            async with advisory_lock(connection, name, timeout=1):
+                assert len(holder_pids(pg_admin, name)) == 1
+            await connection.exec_driver_sql("DEALLOCATE ALL")
+            await connection.commit()
+            for _ in range(2):
+                async with advisory_lock(connection, name, timeout=1) as lock:
+                    assert lock.held
+                    assert len(holder_pids(pg_admin, name)) == 1
+                assert holder_pids(pg_admin, name) == []
+            driver = (await connection.get_raw_connection()).driver_connection
+            assert driver is not None
+            assert len(await ours_async(driver)) == 2
+    finally:
+        await engine.dispose()
+
+
+async def test_a_cancelled_async_wait_ends_on_the_server(dsn: str, pg_admin: Admin) -> None:
+    name = unique_name("libpq-async-cancelled")
+    async with (
+        await psycopg.AsyncConnection.connect(dsn, autocommit=True) as holder,
+        await psycopg.AsyncConnection.connect(dsn, autocommit=True) as waiter,
+        advisory_lock(holder, name),
+    ):
+
+        async def wait() -> None:
+            async with advisory_lock(waiter, name, timeout=30):
+                pass
+
+        task = asyncio.create_task(wait())
+        while not waiter_pids(pg_admin, name):
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        wait_for(lambda: waiter_pids(pg_admin, name) == [], "the wait ended on the server")
+        assert holder_pids(pg_admin, name) == [holder.info.backend_pid]
+    assert holder_pids(pg_admin, name) == []
+
+
+@pytest.mark.parametrize("name", [(3, 4), (-2_000_000_000, 7), (0, -1)])
+def test_a_pair_of_ints_is_locked_through_libpq(
+    connection: psycopg.Connection[TupleRow], pg_admin: Admin, name: tuple[int, int]
+) -> None:
+    # pg_advisory_lock(int4, int4) takes no int8: the parameters go as psycopg types them.
+    with advisory_lock(connection, name, timeout=1) as lock:
+        assert lock.held
+        assert holder_pids(pg_admin, name) == [connection.info.backend_pid]
+    assert holder_pids(pg_admin, name) == []
+    assert ours(connection) == []  # sent without a cursor, not prepared (threshold 5)
