@@ -13,7 +13,9 @@ and counts the library alone, this compares a library case with its floors and i
 on the same path, whatever package the work is in. A count, not a time: the same on
 every machine for the same Python and packages.
 
-Not a test and not part of ``benchmarks.run``: it wraps psycopg's ``Cursor.execute``.
+Not a test and not part of ``benchmarks.run``: it wraps psycopg's ``Cursor.execute`` and
+``Connection.wait``, the library's ``LibpqStatements.value`` and the floors'
+``Statements.run``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from typing import Any
 
 import psycopg
 
+from advisory_locks._core.libpq import LibpqStatements
+from advisory_locks._core.steps import Statement
 from benchmarks.clients import CLIENTS, make_client
+from benchmarks.floors import Statements
 from benchmarks.postgres import database_url
 
 __all__ = ["main"]
@@ -69,6 +74,12 @@ def count(kind: str, ops: int, top: int) -> None:
     path: collections.Counter[str] = collections.Counter()
     package_of: dict[str, str] = {}
     real_execute = psycopg.Cursor.execute
+    real_value = LibpqStatements.value
+    real_run = Statements.run
+    real_wait = psycopg.Connection.wait
+    # Whether the statement the library (or a floor) sends through libpq is an unlock
+    # (None: none is in flight).
+    in_flight: list[bool | None] = [None]
 
     def execute(self: Any, query: Any, params: Any = None, **options: Any) -> Any:
         unlock = "unlock" in (query if isinstance(query, str) else repr(query))
@@ -77,6 +88,31 @@ def count(kind: str, ops: int, top: int) -> None:
         result = real_execute(self, query, params, **options)
         if not unlock and phase[0] == "armed":
             phase[0] = "waiter"  # the waiter's part starts with the answer
+        return result
+
+    def value(self: LibpqStatements, statement: Statement) -> object:
+        in_flight[0] = "unlock" in statement.sql
+        try:
+            return real_value(self, statement)
+        finally:
+            in_flight[0] = None
+
+    def run(self: Statements, sql: str, params: tuple[object, ...]) -> bytes | None:
+        in_flight[0] = "unlock" in sql
+        try:
+            return real_run(self, sql, params)
+        finally:
+            in_flight[0] = None
+
+    def wait(self: Any, gen: Any, *args: Any, **kwargs: Any) -> Any:
+        # A statement sent through libpq is sent as wait() starts its round trip (after
+        # the few bytecodes its generator runs first), and answered as wait() returns.
+        unlock = in_flight[0]
+        if unlock and phase[0] == "holder":
+            phase[0] = None
+        result = real_wait(self, gen, *args, **kwargs)
+        if unlock is False and phase[0] == "armed":
+            phase[0] = "waiter"
         return result
 
     def trace(frame: FrameType, event: str, argument: object) -> Any:
@@ -98,6 +134,9 @@ def count(kind: str, ops: int, top: int) -> None:
         return local
 
     psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+    LibpqStatements.value = value  # type: ignore[method-assign]
+    Statements.run = run  # type: ignore[method-assign]
+    psycopg.Connection.wait = wait  # type: ignore[method-assign]
     try:
         with ExitStack() as stack:
             client = make_client(kind, f"bench.bytecodes.{kind}", database_url(), stack)
@@ -114,6 +153,9 @@ def count(kind: str, ops: int, top: int) -> None:
     finally:
         sys.settrace(None)
         psycopg.Cursor.execute = real_execute  # type: ignore[method-assign]
+        LibpqStatements.value = real_value  # type: ignore[method-assign]
+        Statements.run = real_run  # type: ignore[method-assign]
+        psycopg.Connection.wait = real_wait  # type: ignore[method-assign]
     packages: collections.Counter[str] = collections.Counter()
     for where, number in whole.items():
         packages[package_of[where]] += number

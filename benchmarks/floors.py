@@ -28,8 +28,8 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any, ClassVar, Protocol
 
-import psycopg
-from psycopg.pq import TransactionStatus
+from psycopg import generators
+from psycopg.pq import ExecStatus, TransactionStatus
 from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.engine import Connection as SAConnection
@@ -73,6 +73,8 @@ __all__ = [
 FLOOR_KEY_BASE = RAW_KEY_BASE + 60
 CURSOR_INFO_KEY = "benchmarks.floor_cursor"
 IDLE = TransactionStatus.IDLE
+COMMAND_OK = ExecStatus.COMMAND_OK
+TUPLES_OK = ExecStatus.TUPLES_OK
 TIMEOUT_MS = str(TIMEOUT_SECONDS * 1000)
 CONNECTION_CONTRACT = "floor.connection.contract"
 PSYCOPG_CONTRACT = "floor.psycopg.contract"
@@ -91,22 +93,70 @@ class FloorLock(Protocol):
     def release(self) -> None: ...
 
 
-def _cursor(fairy: PoolProxiedConnection) -> Any:
-    """One cursor per pooled DB-API connection, kept in its ``info`` (which SQLAlchemy
-    empties when the DB-API connection is replaced)."""
+# The twin's statements with libpq's placeholders.
+_COMMANDS = {
+    sql: sql.replace("%s", "$1", 1).replace("%s", "$2", 1).encode()
+    for sql in (TIMEOUT_LOCK_SQL, UNLOCK_SQL)
+}
+
+
+class Statements:
+    """The cheapest way psycopg sends the twin's statements on one connection, as the
+    library sends its own in autocommit (``advisory_locks._core.libpq``): through its
+    libpq wrapper (``psycopg.pq``), driven by the connection's own ``wait()`` under its
+    lock, each statement prepared at its first use (not with ``prepare=False``: Django's
+    connections prepare nothing), the parameters sent as text for the server to type.
+    No cursor: its query parsing, dumpers, prepared-statement cache and row maker are
+    most of the twin's client CPU, and no library has to pay them.
+    """
+
+    __slots__ = ("_connection", "_execute", "_names", "_pgconn", "_prepare")
+
+    def __init__(self, connection: Any, *, prepare: bool = True) -> None:
+        self._connection = connection
+        self._pgconn = connection.pgconn
+        self._execute = generators.execute
+        self._prepare = prepare
+        self._names: dict[str, bytes] = {}
+
+    def run(self, sql: str, params: tuple[object, ...]) -> bytes | None:
+        """The statement's one value, as the server sent it."""
+        connection, pgconn = self._connection, self._pgconn
+        values = [b"%d" % param if type(param) is int else str(param).encode() for param in params]
+        with connection.lock:
+            name = self._names.get(sql)
+            if name is None and self._prepare:
+                name = self._names[sql] = f"benchmarks_floor_{len(self._names)}".encode()
+                pgconn.send_prepare(name, _COMMANDS[sql])
+                self._check(connection.wait(self._execute(pgconn))[-1], COMMAND_OK)
+            if name is None:
+                pgconn.send_query_params(_COMMANDS[sql], values)
+            else:
+                pgconn.send_query_prepared(name, values)
+            result = connection.wait(self._execute(pgconn))[-1]
+        self._check(result, TUPLES_OK)
+        return result.get_value(0, 0)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _check(result: Any, expected: ExecStatus) -> None:
+        if result.status != expected:
+            raise RuntimeError(f"floor: {result.get_error_message()}")
+
+
+def _cursor(fairy: PoolProxiedConnection) -> Statements:
+    """One ``Statements`` per pooled DB-API connection, kept in its ``info`` (which
+    SQLAlchemy empties when the DB-API connection is replaced), like a library's cursor."""
     info = fairy.info
-    cursor = info.get(CURSOR_INFO_KEY)
-    if cursor is None:
-        cursor = info[CURSOR_INFO_KEY] = fairy.dbapi_connection.cursor()  # type: ignore[union-attr]
-    return cursor
+    statements = info.get(CURSOR_INFO_KEY)
+    if statements is None:
+        statements = info[CURSOR_INFO_KEY] = Statements(fairy.dbapi_connection)
+    return statements
 
 
-def _run(cursor: Any, sql: str, params: tuple[object, ...]) -> None:
-    cursor.execute(sql, params)
-    row = cursor.fetchone()
-    if not (row and row[0] is not False):
+def _run(statements: Statements, sql: str, params: tuple[object, ...]) -> None:
+    if statements.run(sql, params) == b"f":
         # pg_advisory_unlock answers False for a lock this session did not hold.
-        raise RuntimeError(f"floor: {sql} answered {row}")
+        raise RuntimeError(f"floor: {sql} answered False")
 
 
 class EngineFloor:
@@ -244,9 +294,9 @@ class DjangoFloor:
             raise RuntimeError("floor.django covers Django's connection in autocommit")
         raw = wrapper.connection
         if self._raw is not raw:
-            # The twin's cursor class: Django's cursor factory binds parameters on the
-            # client (psycopg's ClientCursor), which a library need not use.
-            self._raw, self._cursor = raw, psycopg.Cursor(raw)
+            # Not through Django's cursor factory (psycopg's ClientCursor binds the
+            # parameters on the client), which a library need not use.
+            self._raw, self._cursor = raw, Statements(raw, prepare=False)
         _run(self._cursor, TIMEOUT_LOCK_SQL, self._lock_params)
 
     def release(self) -> None:
@@ -358,8 +408,8 @@ class _ContractFloorLock:
         connection = self._connection
         registry = connection.__dict__.get(_REGISTRY)
         if registry is None:
-            registry = connection.__dict__[_REGISTRY] = {}, connection.cursor()
-        holders, cursor = registry
+            registry = connection.__dict__[_REGISTRY] = {}, Statements(connection)
+        holders, statements = registry
         count = holders.get(self._key)
         if count:
             holders[self._key] = count + 1
@@ -367,8 +417,7 @@ class _ContractFloorLock:
         if connection.closed:
             raise RuntimeError("closed")
         if connection.pgconn.transaction_status != IDLE or connection.autocommit:
-            cursor.execute(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
-            cursor.fetchone()
+            statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
         else:
             raise RuntimeError("the benchmark's connection is in autocommit")
         holders[self._key] = 1
@@ -380,7 +429,7 @@ class _ContractFloorLock:
 
     def __exit__(self, *exc_info: object) -> None:
         connection = self._connection
-        holders, cursor = connection.__dict__[_REGISTRY]
+        holders, statements = connection.__dict__[_REGISTRY]
         count = holders[self._key] - 1
         if count:
             holders[self._key] = count
@@ -389,11 +438,10 @@ class _ContractFloorLock:
         if connection.closed:
             raise RuntimeError("lost")
         if connection.pgconn.transaction_status != IDLE or connection.autocommit:
-            cursor.execute(UNLOCK_SQL, (self._key,))
-            released = cursor.fetchone()
+            released = statements.run(UNLOCK_SQL, (self._key,))
         else:
             raise RuntimeError("the benchmark's connection is in autocommit")
-        if not (released and released[0]):
+        if released != b"t":
             raise RuntimeError("lost")
 
 
@@ -474,9 +522,9 @@ class _DjangoContractFloorLock:
         if not wrapper.get_autocommit() or wrapper.in_atomic_block:
             raise RuntimeError("floor.django.contract covers Django's connection in autocommit")
         raw = wrapper.connection
-        registry = wrapper.__dict__.get(_REGISTRY)
+        registry: Any = wrapper.__dict__.get(_REGISTRY)
         if registry is None or registry[0] is not raw:
-            registry = wrapper.__dict__[_REGISTRY] = raw, {}, psycopg.Cursor(raw), []
+            registry = wrapper.__dict__[_REGISTRY] = raw, {}, Statements(raw, prepare=False), []
         _, holders, cursor, in_request = registry
         self._wrapper = wrapper
         count = holders.get(self._key)
