@@ -8,6 +8,7 @@ their own engine, never at "every advisory lock on the server".
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 import uuid
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg.rows import TupleRow
 from sqlalchemy import Engine, event
 from sqlalchemy.orm import Session
@@ -229,3 +231,19 @@ class EventRecorder:
     def one(self, name: LockName, kind: str) -> LockEvent:
         (event,) = [event for event in self.about(name) if event.kind == kind]
         return event
+
+
+def refuse_lock_statements_on_cursors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make psycopg's cursors fail any lock or unlock statement, so that a lock that works
+    shows its statements went through libpq (``advisory_locks._core.libpq``)."""
+    lock_statement = re.compile(r"pg_(try_)?advisory_")
+
+    def refuse(real: Any) -> Any:
+        def execute(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+            assert not lock_statement.search(str(query)), f"sent through a cursor: {query}"
+            return real(self, query, *args, **kwargs)
+
+        return execute
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", refuse(psycopg.Cursor.execute))
+    monkeypatch.setattr(psycopg.AsyncCursor, "execute", refuse(psycopg.AsyncCursor.execute))

@@ -94,18 +94,19 @@ class PsycopgLockExecutor:
         ):
             return execute_in_autocommit(driver, connection, self.execute, statement)
         try:
+            kind = statement.kind
+            libpq = self._libpq
+            if libpq is not None and kind == VALUE:
+                # Without the cursor, so without its mutex (see libpq).
+                value = libpq.value(statement)
+                if value is not NOT_SENT:
+                    return value
             with self._mutex:
                 cursor = self._cursor
                 if cursor is None:
                     cursor = self._cursor = psycopg_cursor(connection)
-                    self._libpq = libpq_statements(cursor)
-                kind = statement.kind
+                    self._libpq = libpq_statements(cursor, self.state)
                 if kind == VALUE:
-                    libpq = self._libpq
-                    if libpq is not None:
-                        value = libpq.value(statement)
-                        if value is not NOT_SENT:
-                            return value
                     cursor.execute(statement.sql, statement.params)
                     row = cursor.fetchone()
                     return None if row is None else row[0]

@@ -58,7 +58,7 @@ class AsyncPsycopgExecutor:
         cursor = self._cursor
         if cursor is None or cursor.closed:
             cursor = self._cursor = psycopg_cursor(self.connection)
-            self._libpq = libpq_statements(cursor)
+            self._libpq = libpq_statements(cursor, self.state)
         libpq = self._libpq
         if libpq is not None and statement.kind == VALUE:
             value = await libpq.avalue(statement)

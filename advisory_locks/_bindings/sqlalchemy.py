@@ -462,7 +462,7 @@ class AdaptedPsycopgExecutor:
         self._driver = driver
         # Value statements in autocommit go to the AsyncConnection without a cursor
         # (see libpq), unless the application gave it a cursor class of its own.
-        self._libpq = libpq_statements(psycopg_cursor(driver))
+        self._libpq = libpq_statements(psycopg_cursor(driver), state)
 
     @property
     def connection(self) -> Any:

@@ -130,6 +130,16 @@ class DBAPIExecutor:
     def execute(self, statement: Statement) -> object:
         if self._pipelines and self.connection._pipeline is not None:
             raise pipeline_refusal()
+        libpq = self._libpq
+        if libpq is not None and statement.kind == VALUE:
+            # Without the cursor, so without its mutex (see libpq).
+            try:
+                value = libpq.value(statement)
+            except Exception:
+                self.failed()
+                raise
+            if value is not NOT_SENT:
+                return value
         with self._mutex:
             try:
                 cursor = self._cursor
@@ -137,14 +147,9 @@ class DBAPIExecutor:
                     cursor = self._cursor = self.new_cursor()
                     self._check_closed = _closes_with_connection(cursor)
                     if self._pipelines:
-                        self._libpq = libpq_statements(cursor)
+                        self._libpq = libpq_statements(cursor, self.state)
                 kind = statement.kind
                 if kind == VALUE:
-                    libpq = self._libpq
-                    if libpq is not None:
-                        value = libpq.value(statement)
-                        if value is not NOT_SENT:
-                            return value
                     cursor.execute(statement.sql, tuple(statement.params))
                     row = cursor.fetchone()
                     return None if row is None else row[0]

@@ -61,9 +61,12 @@ _INT2: Final = 21
 _INT4: Final = 23
 _INT8: Final = 20
 _BOOL: Final = 16
+_VOID: Final = 2278
 _INT_TYPES: Final = frozenset((_INT2, _INT4, _INT8, 26))  # oid too
 
-_PLACEHOLDER: Final = re.compile(r"%(.)", re.DOTALL)
+_STATE_KEY: Final = "advisory_locks.libpq"
+
+_PLACEHOLDER: Final = re.compile(r"%(.|$)", re.DOTALL)
 
 
 class _Plan:
@@ -78,8 +81,9 @@ class _Plan:
         self.name: bytes | None = None  # prepared under this name
 
 
-def _command(sql: str) -> bytes | None:
-    """``sql`` with ``%s`` as ``$1``, ``$2``...; None where it has other placeholders."""
+def _command(sql: str, params: int) -> bytes | None:
+    """``sql`` with ``%s`` as ``$1``, ``$2``...; None where it has other placeholders, a
+    lone ``%`` or not ``params`` of them (the cursor then raises what psycopg raises)."""
     number = 0
     refused = False
 
@@ -89,21 +93,24 @@ def _command(sql: str) -> bytes | None:
         if char == "%":
             return "%"
         if char != "s":
-            refused = True  # %(name)s, %b, %t: the cursor's business
+            refused = True  # %(name)s, %b, %t, a trailing %: the cursor's business
             return ""
         number += 1
         return f"${number}"
 
     converted = _PLACEHOLDER.sub(replace, sql)
-    return None if refused or not converted.isascii() else converted.encode()
+    if refused or number != params or not converted.isascii():
+        return None
+    return converted.encode()
 
 
 class LibpqStatements:
     """Sends the value statements of one psycopg 3 connection through libpq (see the
-    module). Made with the executor's cursor, for psycopg's own cursor classes only;
-    the executor holds its mutex around ``value()``."""
+    module). Made with an executor's cursor, for psycopg's own cursor classes only, and
+    shared by the connection's executors; safe to call from several threads or tasks at
+    once, as everything it changes changes under the connection's lock."""
 
-    __slots__ = ("_execute", "_plans", "_transformer", "connection", "pgconn")
+    __slots__ = ("_execute", "_plans", "connection", "pgconn")
 
     def __init__(self, connection: Any) -> None:
         from psycopg import generators
@@ -113,7 +120,6 @@ class LibpqStatements:
         self._execute = generators.execute
         # Statement text and parameter types -> its plan; None: the cursor's to send.
         self._plans: dict[tuple[str, tuple[int, ...]], _Plan | None] = {}
-        self._transformer: Any = None
 
     def value(self, statement: Statement) -> object:
         """Run the VALUE ``statement`` on a blocking connection: its value, or
@@ -121,9 +127,26 @@ class LibpqStatements:
         planned = self._plan(statement)
         if planned is None:
             return NOT_SENT
-        connection = self.connection
+        plan, values = planned
+        connection, pgconn = self.connection, self.pgconn
         with connection.lock:
-            result = connection.wait(self._exchange(*planned))
+            # Asked under the lock, which another thread may hold to open a transaction
+            # or a pipeline.
+            if (
+                pgconn.transaction_status != _IDLE
+                or not connection.autocommit
+                or connection._pipeline is not None
+                or pgconn.status != _OK
+            ):
+                return NOT_SENT
+            result = connection.wait(self._exchange(plan, values))
+        if result.status == _TUPLES_OK and result.ntuples:  # a lock's answers, at once
+            kind = result.ftype(0)
+            if kind == _BOOL:
+                value = result.get_value(0, 0)
+                return None if value is None else value == b"t"
+            if kind == _VOID:
+                return ""  # psycopg's text loader, for a void's empty text
         return self._answer(result)
 
     async def avalue(self, statement: Statement) -> object:
@@ -131,20 +154,31 @@ class LibpqStatements:
         planned = self._plan(statement)
         if planned is None:
             return NOT_SENT
-        connection = self.connection
+        plan, values = planned
+        connection, pgconn = self.connection, self.pgconn
         async with connection.lock:
-            result = await connection.wait(self._exchange(*planned))
+            # Asked under the lock, which another task may hold to open a transaction
+            # or a pipeline.
+            if (
+                pgconn.transaction_status != _IDLE
+                or not connection.autocommit
+                or connection._pipeline is not None
+                or pgconn.status != _OK
+            ):
+                return NOT_SENT
+            result = await connection.wait(self._exchange(plan, values))
+        if result.status == _TUPLES_OK and result.ntuples:  # a lock's answers, at once
+            kind = result.ftype(0)
+            if kind == _BOOL:
+                value = result.get_value(0, 0)
+                return None if value is None else value == b"t"
+            if kind == _VOID:
+                return ""  # psycopg's text loader, for a void's empty text
         return self._answer(result)
 
     def _plan(self, statement: Statement) -> tuple[_Plan, list[bytes]] | None:
-        """The statement's plan and parameter values; None: the cursor's to send."""
-        pgconn = self.pgconn
-        if (
-            pgconn.transaction_status != _IDLE
-            or not self.connection.autocommit
-            or pgconn.status != _OK
-        ):
-            return None
+        """The statement's plan and parameter values; None: the cursor's to send. (Whether
+        the connection is ready for it is asked under its lock.)"""
         values: list[bytes] = []
         types: list[int] = []
         for param in statement.params:
@@ -165,7 +199,7 @@ class LibpqStatements:
         try:
             plan = self._plans[key]
         except KeyError:
-            command = _command(statement.sql)
+            command = _command(statement.sql, len(types))
             plan = self._plans[key] = None if command is None else _Plan(command, key[1])
         return None if plan is None else (plan, values)
 
@@ -174,9 +208,9 @@ class LibpqStatements:
         ``wait()`` (psycopg's ``PQGen``): it prepares the statement first when its time
         has come, and returns the statement's last result."""
         pgconn, execute = self.pgconn, self._execute
+        threshold = self.connection.prepare_threshold
         name = plan.name
-        if name is None:
-            threshold = self.connection.prepare_threshold
+        if name is None or threshold is None:
             if threshold is None or plan.count < threshold:
                 plan.count += 1
                 pgconn.send_query_params(plan.command, values, plan.types)
@@ -216,11 +250,10 @@ class LibpqStatements:
                 return value == b"t"
             if kind in _INT_TYPES:
                 return int(value)
-            transformer = self._transformer
-            if transformer is None:
-                from psycopg.adapt import Transformer
+            from psycopg.adapt import Transformer
 
-                transformer = self._transformer = Transformer(self.connection)
+            # One per answer: threads sharing the connection may load answers at once.
+            transformer = Transformer(self.connection)
             transformer.set_pgresult(result)
             return transformer.load_row(0, tuple)[0]
         from psycopg import errors
@@ -238,14 +271,19 @@ def _name(plan: _Plan) -> bytes:
     return f"_advisory_locks_{digest[:24]}".encode()
 
 
-def libpq_statements(cursor: Any) -> LibpqStatements | None:
-    """``LibpqStatements`` for the connection of an executor's new ``cursor`` where that
-    cursor is psycopg's own ``Cursor`` or ``AsyncCursor``; None for any other cursor, so
-    that a cursor class the application set (one that logs or traces, as OpenTelemetry's
-    psycopg instrumentation sets) still sees every statement."""
+def libpq_statements(cursor: Any, state: dict[str, Any]) -> LibpqStatements | None:
+    """The ``LibpqStatements`` of the connection of an executor's new ``cursor``, kept in
+    the connection's ``state`` (one per connection, so that its executors share what is
+    prepared), where that cursor is psycopg's own ``Cursor`` or ``AsyncCursor``; None
+    for any other cursor, so that a cursor class the application set (one that logs or
+    traces, as OpenTelemetry's psycopg instrumentation sets) still sees every
+    statement."""
     import psycopg
 
     cls = type(cursor)
-    if cls is psycopg.Cursor or cls is psycopg.AsyncCursor:
-        return LibpqStatements(cursor.connection)
-    return None
+    if cls is not psycopg.Cursor and cls is not psycopg.AsyncCursor:
+        return None
+    statements: LibpqStatements | None = state.get(_STATE_KEY)
+    if statements is None or statements.connection is not cursor.connection:
+        statements = state[_STATE_KEY] = LibpqStatements(cursor.connection)
+    return statements

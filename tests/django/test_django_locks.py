@@ -24,7 +24,7 @@ from advisory_locks_django import (
     current_advisory_locks,
 )
 from tests.django.support import holders, in_thread, run_in_thread, server_pid
-from tests.helpers import lock_rows, unique_name, wait_for
+from tests.helpers import lock_rows, refuse_lock_statements_on_cursors, unique_name, wait_for
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.django_db(transaction=True)]
 
@@ -37,6 +37,19 @@ def test_a_session_lock_excludes_other_connections_until_the_block_ends(admin: A
         assert holders(admin, name) == [server_pid()]
         assert in_thread(lambda: advisory_lock(name, timeout=0).acquire()) is False
     assert holders(admin, name) == []
+
+
+def test_lock_statements_in_autocommit_skip_the_cursor(
+    admin: Admin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sent through psycopg's libpq wrapper (advisory_locks._core.libpq), unprepared as
+    # Django's prepare_threshold=None asks.
+    refuse_lock_statements_on_cursors(monkeypatch)
+    name = unique_name()
+    for _ in range(2):
+        with advisory_lock(name, timeout=1):
+            assert holders(admin, name) == [server_pid()]
+        assert holders(admin, name) == []
 
 
 def test_a_session_lock_in_autocommit_opens_no_transaction(admin: Admin) -> None:
