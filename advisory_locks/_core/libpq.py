@@ -176,34 +176,24 @@ class LibpqStatements:
                 return ""  # psycopg's text loader, for a void's empty text
         return self._answer(result)
 
-    def _plan(self, statement: Statement) -> tuple[_Plan, list[bytes]] | None:
+    def _plan(self, statement: Statement) -> tuple[_Plan, tuple[bytes, ...]] | None:
         """The statement's plan and parameter values; None: the cursor's to send. (Whether
         the connection is ready for it is asked under its lock.)"""
-        values: list[bytes] = []
-        types: list[int] = []
-        for param in statement.params:
-            if type(param) is int:
-                if -0x80000000 <= param <= 0x7FFFFFFF:
-                    types.append(_INT2 if -0x8000 <= param <= 0x7FFF else _INT4)
-                elif -0x8000000000000000 <= param <= 0x7FFFFFFFFFFFFFFF:
-                    types.append(_INT8)
-                else:
-                    return None  # psycopg sends it as numeric
-                values.append(b"%d" % param)
-            elif type(param) is str and param.isascii():
-                types.append(0)
-                values.append(param.encode())
-            else:
-                return None
-        key = (statement.sql, tuple(types))
+        encoded = statement.encoded
+        if encoded is None:
+            # Kept with the statement, which the dialect keeps for a recently used key.
+            encoded = statement.encoded = _encode(statement)
+        if encoded is False:
+            return None
+        key, values = encoded
         try:
             plan = self._plans[key]
         except KeyError:
-            command = _command(statement.sql, len(types))
+            command = _command(key[0], len(values))
             plan = self._plans[key] = None if command is None else _Plan(command, key[1])
         return None if plan is None else (plan, values)
 
-    def _exchange(self, plan: _Plan, values: list[bytes]) -> Any:
+    def _exchange(self, plan: _Plan, values: tuple[bytes, ...]) -> Any:
         """The round trips of one statement, as a generator for the connection's
         ``wait()`` (psycopg's ``PQGen``): it prepares the statement first when its time
         has come, and returns the statement's last result."""
@@ -269,6 +259,29 @@ def _name(plan: _Plan) -> bytes:
     """The name ``plan`` is prepared under: one text and one set of types per name."""
     digest = hashlib.sha256(plan.command + repr(plan.types).encode()).hexdigest()
     return f"_advisory_locks_{digest[:24]}".encode()
+
+
+def _encode(statement: Statement) -> tuple[tuple[str, tuple[int, ...]], tuple[bytes, ...]] | bool:
+    """The statement's text with its parameters' types, and the parameters as text, as
+    psycopg's default dumpers type and write them; False where one is not an ``int`` in
+    int8's range or an ASCII ``str`` (the cursor's to send)."""
+    values: list[bytes] = []
+    types: list[int] = []
+    for param in statement.params:
+        if type(param) is int:
+            if -0x80000000 <= param <= 0x7FFFFFFF:
+                types.append(_INT2 if -0x8000 <= param <= 0x7FFF else _INT4)
+            elif -0x8000000000000000 <= param <= 0x7FFFFFFFFFFFFFFF:
+                types.append(_INT8)
+            else:
+                return False  # psycopg sends it as numeric
+            values.append(b"%d" % param)
+        elif type(param) is str and param.isascii():
+            types.append(0)
+            values.append(param.encode())
+        else:
+            return False
+    return (statement.sql, tuple(types)), tuple(values)
 
 
 def libpq_statements(cursor: Any, state: dict[str, Any]) -> LibpqStatements | None:

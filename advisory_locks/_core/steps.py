@@ -45,14 +45,18 @@ ROWS: Final = 2
 
 
 class Statement:
-    """One database request a step needs answered."""
+    """One database request a step needs answered. Its parameters are not changed once
+    it is made: a dialect keeps statements for reuse, and an executor may keep what it
+    derives from them (``encoded``)."""
 
-    __slots__ = ("kind", "params", "sql")
+    __slots__ = ("encoded", "kind", "params", "sql")
 
     def __init__(self, kind: int, sql: str, params: Sequence[object] = ()) -> None:
         self.kind = kind
         self.sql = sql
         self.params = params
+        # The libpq path's encoding of the parameters, made at its first use (libpq).
+        self.encoded: Any = None
 
     def __repr__(self) -> str:
         return f"Statement({self.kind}, {self.sql!r}, {self.params!r})"
