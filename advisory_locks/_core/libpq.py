@@ -21,16 +21,25 @@ What the cursor decides, this decides the same way:
   with ``prepare_threshold=None`` (Django's default, and what a transaction pooler
   needs); the statement is prepared under a name of its own text and types, so that a
   name always means one statement;
-- the value: ``bool``, integer types and text as psycopg's default loaders make them;
+- the value: ``bool``, integer types and a void as psycopg's default loaders make them;
   any other type through psycopg's ``Transformer``.
 
 Anything else returns ``NOT_SENT`` before a byte is sent, and the executor sends the
-statement through its cursor: a transaction open or a non-autocommit connection (where
-psycopg begins one, and where a prepared statement that the application deallocated
-would fail the application's transaction), another parameter type, a non-ASCII text
-parameter, a connection that is not OK. A prepared statement the server no longer has
-(``DEALLOCATE ALL``, ``DISCARD ALL``, a pool's reset) fails without running, outside
-any transaction, and is sent again unprepared.
+statement through its cursor: a transaction open, a pipeline, or a non-autocommit
+connection (where psycopg begins a transaction, and where a prepared statement that the
+application deallocated would fail the application's transaction), all asked under the
+connection's lock; another parameter type, a non-ASCII text parameter, placeholders
+other than ``%s`` or not one per parameter; a connection that is not OK; and any
+statement whose executor's cursor is not psycopg's own class (see
+``libpq_statements``). A prepared statement the server no longer has (``DEALLOCATE
+ALL``, ``DISCARD ALL``, a pool's reset) fails without running, outside any transaction,
+and is sent again unprepared.
+
+Behind PgBouncer >= 1.21 with ``max_prepared_statements``, which keeps a client's
+prepared statements itself, a statement it does not know ends the client's connection
+rather than failing with "does not exist", so the resend cannot help there; the same
+holds for psycopg's own prepared statements, and ``prepare_threshold=None`` prepares
+nothing.
 """
 
 from __future__ import annotations
@@ -107,8 +116,11 @@ def _command(sql: str, params: int) -> bytes | None:
 class LibpqStatements:
     """Sends the value statements of one psycopg 3 connection through libpq (see the
     module). Made with an executor's cursor, for psycopg's own cursor classes only, and
-    shared by the connection's executors; safe to call from several threads or tasks at
-    once, as everything it changes changes under the connection's lock."""
+    shared by the connection's executors. Safe to call from several threads or tasks at
+    once: a statement's round trips and a plan's prepared state change under the
+    connection's lock, and what is made outside it (a plan, a statement's encoding) is
+    the same whoever makes it (a plan made twice at once is prepared twice, the second
+    time finding the first's: "already exists")."""
 
     __slots__ = ("_execute", "_plans", "connection", "pgconn")
 
