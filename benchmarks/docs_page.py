@@ -67,10 +67,13 @@ def render(report: Report, arguments: list[str]) -> str:
             "bind's floor: the least any library must do on that bind (pool checkout and "
             "checkin, the switch to autocommit and back, finding Django's connection), "
             "written by hand against SQLAlchemy, Django and psycopg with the twin's two "
-            "statements. Its `cpu x twin` is what the bind itself costs, which no library "
-            "on that bind can go below; `cpu x bind floor` of a library case is what the "
-            "library adds on top. A `floor.*.contract` row is that bind's contract floor: "
-            "the bind floor plus the least bookkeeping the lock contract demands (the "
+            "statements, sent through psycopg's libpq wrapper as the library sends its own "
+            "(the twin sends them through a cursor, as an application on the raw driver "
+            "does, so a floor or a lock may cost less than the twin). Its `cpu x twin` is "
+            "what the bind itself costs, which no library on that bind can go below; `cpu "
+            "x bind floor` of a library case is what the library adds on top. A "
+            "`floor.*.contract` row is that bind's contract floor: the bind floor plus the "
+            "least bookkeeping the lock contract demands (the "
             "name's key, holders counted per connection, the unlock's answer checked, the "
             "pool guard), the least a lock keeping the contract does on that bind.",
             "",

@@ -1,16 +1,18 @@
 """Bind floors: the least any correct library must do on a bind for acquire(timeout) + release.
 
 The raw twin runs the two statements on a psycopg connection it owns, in autocommit, with
-one cursor. A library handed a SQLAlchemy Engine, Connection or Session, or Django's
-connection, must also do what that bind demands: check a connection out of the pool and
-back in, keep the statements out of a transaction the pool or the application would roll
-back, leave the connection's mode as the application configured it, find the thread's
-Django connection. Each floor here does exactly that by hand, directly against
-SQLAlchemy, Django and psycopg, with the twin's two statements and one cursor per DB-API
-connection (as the library keeps), and nothing else: no lock object per operation (a
-floor is built once per bind), no bookkeeping, no events. So ``floor / twin`` is what
-the bind itself costs (no library on that bind can go below it), and ``ours / floor``
-is what the library adds on top.
+one cursor, as an application on the raw driver would. A library handed a SQLAlchemy
+Engine, Connection or Session, or Django's connection, must also do what that bind
+demands: check a connection out of the pool and back in, keep the statements out of a
+transaction the pool or the application would roll back, leave the connection's mode as
+the application configured it, find the thread's Django connection. Each floor here does
+exactly that by hand, directly against SQLAlchemy, Django and psycopg, with the twin's
+two statements sent the cheapest way psycopg allows, as the library sends its own
+(``Statements``: through its libpq wrapper, no cursor), and nothing else: no lock object
+per operation (a floor is built once per bind), no bookkeeping, no events. So ``floor /
+twin`` is what the bind itself costs (no library on that bind can go below it; below 1
+where the cursor costs more than the bind), and ``ours / floor`` is what the library adds
+on top.
 
 Each floor is a lock with ``acquire`` and ``release``, so the same code is timed
 uncontended here and runs in the handoff and throughput clients (benchmarks.clients),
@@ -268,7 +270,7 @@ class DjangoFloor:
     """On Django's connection: Django's connections are per thread, so find this
     thread's, connected (``get_autocommit()`` connects first if needed), and make sure
     no transaction is open (autocommit, outside ``atomic()``) that the lock would have
-    to join; then the twin's statements on a reused cursor of its psycopg connection,
+    to join; then the twin's statements on its psycopg connection (``Statements``),
     which the release uses again.
 
     Django opens its psycopg connections with ``prepare_threshold=None`` unless OPTIONS
@@ -360,8 +362,8 @@ def django_floor(sockets: Callable[[], list[int]]) -> Case:
     return _floor_case(
         "floor.django.timeout",
         "by hand on Django's connection: connections['default'], connected and in "
-        "autocommit outside atomic(), the twin's two statements on a reused cursor of "
-        "its psycopg connection",
+        "autocommit outside atomic(), the twin's two statements on its psycopg "
+        "connection, unprepared (Django's prepare_threshold=None)",
         DjangoFloor(FLOOR_KEY_BASE + 3),
         sockets,
     )
@@ -382,9 +384,8 @@ class _ContractFloorLock:
 
     Left out, though the library does them, because a library could choose otherwise:
     refusing to share one lock object between threads or tasks, the server check for
-    poolers, forked children, events, error translation, a reused cursor shared safely
-    between threads. So it is a lower bound for any library keeping the contract on this
-    bind, not a competitor.
+    poolers, forked children, events, error translation. So it is a lower bound for any
+    library keeping the contract on this bind, not a competitor.
     """
 
     __slots__ = ("_connection", "_key", "_timeout_ms")
