@@ -75,6 +75,10 @@ _INT_TYPES: Final = frozenset((_INT2, _INT4, _INT8, 26))  # oid too
 
 _STATE_KEY: Final = "advisory_locks.libpq"
 
+# LibpqStatements._send's answers besides NOT_SENT.
+_SENT: Final = object()
+_PREPARE: Final = object()
+
 _PLACEHOLDER: Final = re.compile(r"%(.|$)", re.DOTALL)
 
 
@@ -136,22 +140,33 @@ class LibpqStatements:
     def value(self, statement: Statement) -> object:
         """Run the VALUE ``statement`` on a blocking connection: its value, or
         ``NOT_SENT``."""
-        planned = self._plan(statement)
-        if planned is None:
+        # self._plan(statement), written out: run for every lock statement.
+        encoded = statement.encoded
+        if encoded is None:
+            # Kept with the statement, which the dialect keeps for a recently used key.
+            encoded = statement.encoded = _encode(statement)
+        if encoded is False:
             return NOT_SENT
-        plan, values = planned
-        connection, pgconn = self.connection, self.pgconn
+        key, values = encoded
+        try:
+            plan = self._plans[key]
+        except KeyError:
+            plan = self._new_plan(key, len(values))
+        if plan is None:
+            return NOT_SENT
+        connection = self.connection
         with connection.lock:
-            # Asked under the lock, which another thread may hold to open a transaction
-            # or a pipeline.
-            if (
-                pgconn.transaction_status != _IDLE
-                or not connection.autocommit
-                or connection._pipeline is not None
-                or pgconn.status != _OK
-            ):
+            sent = self._send(plan, values)
+            if sent is _SENT:
+                result = connection.wait(self._execute(self.pgconn))[-1]
+            elif sent is _PREPARE:
+                result = connection.wait(self._prepare_and_run(plan, values))
+            else:
                 return NOT_SENT
-            result = connection.wait(self._exchange(plan, values))
+            if result.status == _FATAL_ERROR and plan.name is not None:
+                again = self._send_again(plan, values, result)
+                if again is not None:
+                    result = connection.wait(again)[-1]
         if result.status == _TUPLES_OK and result.ntuples:  # a lock's answers, at once
             kind = result.ftype(0)
             if kind == _BOOL:
@@ -167,25 +182,19 @@ class LibpqStatements:
         if planned is None:
             return NOT_SENT
         plan, values = planned
-        connection, pgconn = self.connection, self.pgconn
+        connection = self.connection
         async with connection.lock:
-            # Asked under the lock, which another task may hold to open a transaction
-            # or a pipeline.
-            if (
-                pgconn.transaction_status != _IDLE
-                or not connection.autocommit
-                or connection._pipeline is not None
-                or pgconn.status != _OK
-            ):
+            sent = self._send(plan, values)
+            if sent is _SENT:
+                result = (await connection.wait(self._execute(self.pgconn)))[-1]
+            elif sent is _PREPARE:
+                result = await connection.wait(self._prepare_and_run(plan, values))
+            else:
                 return NOT_SENT
-            result = await connection.wait(self._exchange(plan, values))
-        if result.status == _TUPLES_OK and result.ntuples:  # a lock's answers, at once
-            kind = result.ftype(0)
-            if kind == _BOOL:
-                value = result.get_value(0, 0)
-                return None if value is None else value == b"t"
-            if kind == _VOID:
-                return ""  # psycopg's text loader, for a void's empty text
+            if result.status == _FATAL_ERROR and plan.name is not None:
+                again = self._send_again(plan, values, result)
+                if again is not None:
+                    result = (await connection.wait(again))[-1]
         return self._answer(result)
 
     def _plan(self, statement: Statement) -> tuple[_Plan, tuple[bytes, ...]] | None:
@@ -193,7 +202,6 @@ class LibpqStatements:
         the connection is ready for it is asked under its lock.)"""
         encoded = statement.encoded
         if encoded is None:
-            # Kept with the statement, which the dialect keeps for a recently used key.
             encoded = statement.encoded = _encode(statement)
         if encoded is False:
             return None
@@ -201,41 +209,69 @@ class LibpqStatements:
         try:
             plan = self._plans[key]
         except KeyError:
-            command = _command(key[0], len(values))
-            plan = self._plans[key] = None if command is None else _Plan(command, key[1])
+            plan = self._new_plan(key, len(values))
         return None if plan is None else (plan, values)
 
-    def _exchange(self, plan: _Plan, values: tuple[bytes, ...]) -> Any:
-        """The round trips of one statement, as a generator for the connection's
-        ``wait()`` (psycopg's ``PQGen``): it prepares the statement first when its time
-        has come, and returns the statement's last result."""
-        pgconn, execute = self.pgconn, self._execute
-        threshold = self.connection.prepare_threshold
+    def _new_plan(self, key: tuple[str, tuple[int, ...]], params: int) -> _Plan | None:
+        command = _command(key[0], params)
+        plan = self._plans[key] = None if command is None else _Plan(command, key[1])
+        return plan
+
+    def _send(self, plan: _Plan, values: tuple[bytes, ...]) -> object:
+        """With the connection's lock held: send the statement where one round trip runs
+        it (``_SENT``: its result is next); ``_PREPARE`` where its time to be prepared has
+        come (nothing sent: ``_prepare_and_run`` does both); ``NOT_SENT`` where the
+        connection is not idle in autocommit outside a pipeline. Asked under the lock,
+        which another thread or task may hold to open a transaction or a pipeline."""
+        connection, pgconn = self.connection, self.pgconn
+        if (
+            pgconn.transaction_status != _IDLE
+            or not connection._autocommit
+            or connection._pipeline is not None
+            or pgconn.status != _OK
+        ):
+            return NOT_SENT
+        threshold = connection.prepare_threshold
         name = plan.name
-        if name is None or threshold is None:
-            if threshold is None or plan.count < threshold:
-                plan.count += 1
-                pgconn.send_query_params(plan.command, values, plan.types)
-                return (yield from execute(pgconn))[-1]
-            name = _name(plan)
-            pgconn.send_prepare(name, plan.command, plan.types)
-            result = (yield from execute(pgconn))[-1]
-            # "Already exists": prepared on this server session through an earlier
-            # connection object (behind a session pooler), under the name of this very
-            # text and these types.
-            if result.status == _FATAL_ERROR and result.error_field(_SQLSTATE) != _EXISTS:
-                return result
-            plan.name = name
-        pgconn.send_query_prepared(name, values)
-        result = (yield from execute(pgconn))[-1]
-        if result.status == _FATAL_ERROR and result.error_field(_SQLSTATE) == _UNDEFINED:
-            # Deallocated since (DEALLOCATE ALL, DISCARD ALL, a pool's reset), and so
-            # not run, outside any transaction: send it unprepared.
-            plan.name = None
-            plan.count = 1
+        if name is not None and threshold is not None:
+            pgconn.send_query_prepared(name, values)
+        elif threshold is None or plan.count < threshold:
+            plan.count += 1
             pgconn.send_query_params(plan.command, values, plan.types)
-            result = (yield from execute(pgconn))[-1]
-        return result
+        else:
+            return _PREPARE
+        return _SENT
+
+    def _prepare_and_run(self, plan: _Plan, values: tuple[bytes, ...]) -> Any:
+        """Prepare the statement, then run it: round trips for the connection's
+        ``wait()`` (psycopg's ``PQGen``), returning the statement's result (or the
+        preparation's error)."""
+        pgconn, execute = self.pgconn, self._execute
+        name = _name(plan)
+        pgconn.send_prepare(name, plan.command, plan.types)
+        result = (yield from execute(pgconn))[-1]
+        # "Already exists": prepared on this server session through an earlier connection
+        # object (behind a session pooler), under the name of this very text and these
+        # types.
+        if result.status == _FATAL_ERROR and result.error_field(_SQLSTATE) != _EXISTS:
+            return result
+        plan.name = name
+        pgconn.send_query_prepared(name, values)
+        return (yield from execute(pgconn))[-1]
+
+    def _send_again(self, plan: _Plan, values: tuple[bytes, ...], result: Any) -> Any:
+        """After a statement of a prepared ``plan`` failed with ``result``: where the
+        server no longer has it (DEALLOCATE ALL, DISCARD ALL, a pool's reset), and so did
+        not run it, outside any transaction, it is sent again unprepared, and its result
+        comes from the generator returned, for the connection's ``wait()``; None where
+        ``result`` stands."""
+        if result.error_field(_SQLSTATE) != _UNDEFINED:
+            return None
+        plan.name = None
+        plan.count = 1
+        pgconn = self.pgconn
+        pgconn.send_query_params(plan.command, values, plan.types)
+        return self._execute(pgconn)
 
     def _answer(self, result: Any) -> object:
         """The first column of the first row, loaded as psycopg's cursor would; an error
