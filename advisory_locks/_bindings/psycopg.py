@@ -83,6 +83,18 @@ class PsycopgLockExecutor:
         self.session_driver = session_driver
 
     def execute(self, statement: Statement) -> object:
+        kind = statement.kind
+        libpq = self._libpq
+        if libpq is not None and kind == VALUE:
+            # First: it sends only on a connection idle in autocommit outside a pipeline
+            # (asked under the connection's lock), where the questions below have their
+            # answers. Without the cursor, so without its mutex (see libpq).
+            try:
+                value = libpq.value(statement)
+            except Exception as error:
+                raise translate_error(error, self._backend) from error
+            if value is not NOT_SENT:
+                return value
         connection = self.connection
         if connection._pipeline is not None:
             raise pipeline_refusal()
@@ -94,13 +106,6 @@ class PsycopgLockExecutor:
         ):
             return execute_in_autocommit(driver, connection, self.execute, statement)
         try:
-            kind = statement.kind
-            libpq = self._libpq
-            if libpq is not None and kind == VALUE:
-                # Without the cursor, so without its mutex (see libpq).
-                value = libpq.value(statement)
-                if value is not NOT_SENT:
-                    return value
             with self._mutex:
                 cursor = self._cursor
                 if cursor is None:
