@@ -137,6 +137,8 @@ CONNECTED_INFO_KEY: Final = "advisory_locks.connected"
 DRIVER_INFO_KEY: Final = "advisory_locks.driver_connection"
 # The _ConnectionParts of the Connection that last locked on this DB-API connection.
 PARTS_INFO_KEY: Final = "advisory_locks.connection_parts"
+# The _PooledParts of the engine locks' checkouts of this DB-API connection.
+POOLED_PARTS_INFO_KEY: Final = "advisory_locks.pooled_parts"
 # Execution option declaring what sits between the engine and the server:
 # "transaction" (session locks refused), "session" (a pooler that pins each client to
 # one server connection), or "none".
@@ -805,6 +807,23 @@ def _check_server_once(
         )
 
 
+class _PooledParts:
+    """What every lock's checkout of one pooled DB-API connection from an engine shares:
+    its state and executor, made at the first and kept in the connection's ``info``
+    (which SQLAlchemy empties when it replaces the DB-API connection), so that each later
+    checkout reads both with one lookup."""
+
+    __slots__ = ("backend", "dbapi", "executor", "state")
+
+    def __init__(self, fairy: PoolProxiedConnection, backend: Backend) -> None:
+        info = fairy.info
+        self.dbapi = fairy.dbapi_connection
+        self.backend = backend
+        self.state = connection_state(info, backend, fairy)
+        self.executor = executor_for(fairy, info)
+        info[POOLED_PARTS_INFO_KEY] = self
+
+
 class PooledBorrow(_SettledAtOnce):
     """A connection checked out of an engine's pool for locks only.
 
@@ -825,29 +844,54 @@ class PooledBorrow(_SettledAtOnce):
         "engine",
         "executor",
         "fairy",
+        "plain",
         "shared",
         "state",
     )
 
     def __init__(self, engine: Engine, backend: Backend, keys: tuple[LockKey, ...]) -> None:
         self.engine = engine
-        self._registry = _engine_borrows(engine)
-        self.fairy = fairy = _check_out(engine, keys)
+        self._registry = registry = _engine_borrows(engine)
+        single = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
+        if single:
+            fairy = _check_out(engine, keys)
+        else:
+            # _check_out(), without its StaticPool's question
+            try:
+                fairy = _own_connection(engine)
+            except sqlalchemy_errors.TimeoutError as error:
+                raise _no_connection(engine, keys) from error
+        self.fairy = fairy
         self._out = True
         self._users = 0
         info = fairy.info
-        self.state = connection_state(info, backend, fairy)
         dbapi = fairy.dbapi_connection
-        single = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
+        # The state and executor of an earlier lock's checkout of this DB-API connection
+        # (see _PooledParts), else those connection_state() and executor_for() make.
+        parts: _PooledParts | None = info.get(POOLED_PARTS_INFO_KEY)
+        if parts is None or parts.dbapi is not dbapi or parts.backend is not backend:
+            parts = _PooledParts(fairy, backend)
+        self.state = state = parts.state
         # The usual checkout (psycopg 3, idle, a pool of many): not in a transaction, so
-        # not shared, and switched to autocommit, in one read of the connection.
-        claimed = not single and backend.locks_on_server and _claim_autocommit(dbapi, info)
+        # not shared, and switched to autocommit, in one read of the connection
+        # (_claim_autocommit(), without the call).
+        claimed = False
+        if not single and backend.locks_on_server:
+            previous = claim_idle_autocommit(dbapi)
+            if previous is not None:
+                claimed = True
+                if not previous:
+                    info[AUTOCOMMIT_INFO_KEY] = (False,)
         if claimed:
             self.shared = False
         else:
             self.shared = single or driver_in_transaction(_driver(fairy)) is True
             if self.shared:
                 _lock_checkouts(info).add(self)
+        # Given back with a plain close(): a checkout of a pool of many is its
+        # connection's newest, and a connection no one else uses has no transaction of
+        # anyone's open (see _give_back()).
+        self.plain = not single and not self.shared
         try:
             if self.shared:
                 # The application's connection too: its mode stays as the application set
@@ -855,14 +899,16 @@ class PooledBorrow(_SettledAtOnce):
                 self.executor: Any = (
                     _AutocommitExecutor(fairy, lambda: _inside_transaction(fairy))
                     if backend.locks_on_server
-                    else executor_for(fairy, fairy.info)
+                    else parts.executor
                 )
             else:
                 if not claimed and backend.locks_on_server and not driver_autocommit(dbapi):
                     info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
-                self.executor = executor_for(fairy, info)
-            pooler = _declared_pooler(engine.get_execution_options())
-            _check_server_once(self.state, self.executor, fairy, pooler, session_lock=True)
+                self.executor = parts.executor
+            options = engine.get_execution_options()
+            pooler = registry.pooler if options is registry.options else registry.declared(options)
+            if pooler is not None or state.behind_proxy is not False:  # not server_checked()
+                _check_server_once(state, self.executor, fairy, pooler, session_lock=True)
         except BaseException as error:
             if isinstance(error, Exception) and (
                 backend.is_connection_failure(error) or self.is_disconnect(error)
@@ -874,7 +920,7 @@ class PooledBorrow(_SettledAtOnce):
                 raise LockConnectionLost(str(error)) from error
             self._give_back()
             raise
-        self._registry.add(self)
+        registry.add(self)
 
     def lend(self) -> PooledBorrow:
         self._users += 1
@@ -893,6 +939,9 @@ class PooledBorrow(_SettledAtOnce):
             return
         self._out = False
         self._registry.discard(self)
+        if self.plain:
+            self.fairy.close()
+            return
         if self.shared:  # only a shared connection's borrow was added (see __init__)
             _lock_checkouts(self.fairy.info).discard(self)
         _give_back(self.fairy, shared=self.shared)
@@ -954,16 +1003,29 @@ def _own_connection(engine: Engine) -> PoolProxiedConnection:
         fairy.close()
 
 
+class _EngineBorrows(weakref.WeakSet[PooledBorrow]):
+    """An engine's lock borrows out now, and the pooler its execution options declare
+    (an engine's options are replaced, never changed, when it is given new ones)."""
+
+    options: object = None
+    pooler: object = None
+
+    def declared(self, options: Any) -> object:
+        pooler = _declared_pooler(options)
+        self.options, self.pooler = options, pooler
+        return pooler
+
+
 # Each engine's lock borrows, by id(engine): a WeakKeyDictionary would make a weak
 # reference to the engine at every lookup, twice per Engine lock. The entry goes when
 # the engine does (its id cannot be reused before then).
-_borrows_by_engine: dict[int, weakref.WeakSet[PooledBorrow]] = {}
+_borrows_by_engine: dict[int, _EngineBorrows] = {}
 
 
-def _engine_borrows(engine: Engine) -> weakref.WeakSet[PooledBorrow]:
+def _engine_borrows(engine: Engine) -> _EngineBorrows:
     borrows = _borrows_by_engine.get(id(engine))
     if borrows is None:
-        made: weakref.WeakSet[PooledBorrow] = weakref.WeakSet()
+        made = _EngineBorrows()
         borrows = _borrows_by_engine.setdefault(id(engine), made)
         if borrows is made:
             weakref.finalize(engine, _borrows_by_engine.pop, id(engine), None)
