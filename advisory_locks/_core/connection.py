@@ -62,18 +62,19 @@ TRANSACTION_POOLING: Final = (
 )
 
 
-@dataclass(eq=False, slots=True)
 class Holding:
-    """One lock the server holds for a connection, however many times it was taken."""
+    """One lock the server holds for a connection, however many times it was taken.
 
-    key: LockKey
-    shared: bool
-    transaction: bool
+    Made for every acquisition (see ``ConnectionState.prepare``), so the attributes a
+    new holding shares with every other are class attributes until set on it: its
+    ``__init__`` sets five, not twelve.
+    """
+
     # Savepoint depth at which a transaction lock was taken: rolling back a savepoint
     # at or above it makes PostgreSQL release the lock.
-    depth: int = 0
-    # Where its connection's state files it (ConnectionState._entry), set when added.
-    entry: HoldingKey | None = None
+    depth: int
+    # Where its connection's state files it (ConnectionState._entry).
+    entry: HoldingKey | None
     count: int = 0
     active: bool = True
     # Set when the grant was reported to event listeners (``advisory_locks._core.events``):
@@ -85,6 +86,26 @@ class Holding:
     # The statement that gives a session lock back, made before the lock statement was
     # sent (None: made at release), so that a release sends its unlock at once.
     unlock: Statement | None = None
+
+    def __init__(
+        self,
+        key: LockKey,
+        shared: bool,
+        transaction: bool,
+        depth: int = 0,
+        entry: HoldingKey | None = None,
+    ) -> None:
+        self.key = key
+        self.shared = shared
+        self.transaction = transaction
+        self.depth = depth
+        self.entry = entry
+
+    def __repr__(self) -> str:
+        return (
+            f"Holding(key={self.key!r}, shared={self.shared}, transaction={self.transaction}, "
+            f"depth={self.depth}, count={self.count}, active={self.active})"
+        )
 
     def event(
         self,
