@@ -90,10 +90,10 @@ def count(kind: str, ops: int, top: int) -> None:
             phase[0] = "waiter"  # the waiter's part starts with the answer
         return result
 
-    def value(self: LibpqStatements, statement: Statement) -> object:
+    def value(self: LibpqStatements, statement: Statement, outside: bool = False) -> object:
         in_flight[0] = "unlock" in statement.sql
         try:
-            return real_value(self, statement)
+            return real_value(self, statement, outside)
         finally:
             in_flight[0] = None
 

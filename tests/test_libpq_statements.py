@@ -431,3 +431,62 @@ def test_a_threshold_turned_off_stops_using_what_was_prepared(
     # Sent unprepared: no "does not exist" round trip, nothing prepared again.
     assert libpq.value(statement) == 2
     assert ours(connection) == []
+
+
+def test_outside_sends_on_an_idle_connection_without_beginning_a_transaction(dsn: str) -> None:
+    statement = Statement(VALUE, "SELECT pg_backend_pid()")
+    with psycopg.connect(dsn) as connection:
+        libpq = LibpqStatements(connection)
+        assert libpq.value(statement) is NOT_SENT
+        assert libpq.value(statement, True) == connection.info.backend_pid
+        # Run as its own statement: no transaction was begun, and the mode is untouched.
+        assert connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert connection.autocommit is False
+        connection.execute("SELECT 1")
+        # A transaction lock must join the transaction: never sent outside it.
+        assert libpq.value(statement, True) is NOT_SENT
+        connection.rollback()
+
+
+def _transaction_state(admin: Admin, pid: int) -> str:
+    row = admin.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+@pytest.mark.parametrize("libpq_refuses", [False, True])
+def test_an_engine_locks_checkout_runs_outside_a_transaction_and_keeps_its_mode(
+    postgres_url: URL, pg_admin: Admin, monkeypatch: pytest.MonkeyPatch, libpq_refuses: bool
+) -> None:
+    # An engine lock's own checkout of an idle psycopg connection: its statements go
+    # through libpq outside any transaction, without switching the connection to
+    # autocommit; where libpq sends nothing, the checkout is switched for the cursor and
+    # switched back at checkin. Either way no transaction is open while the lock is held,
+    # and the application's next checkout finds the mode it configured.
+    if libpq_refuses:
+        real_value = LibpqStatements.value
+
+        def value(self: LibpqStatements, statement: Statement, outside: bool = False) -> object:
+            return NOT_SENT if outside else real_value(self, statement, outside)
+
+        monkeypatch.setattr(LibpqStatements, "value", value)
+    else:
+        refuse_lock_statements_on_cursors(monkeypatch)
+    name = unique_name("libpq-engine-mode")
+    engine = create_engine(postgres_url, pool_size=1, max_overflow=0)
+    try:
+        for _ in range(3):  # the first lock makes the connection's cursor
+            with advisory_lock(engine, name, timeout=1) as lock:
+                assert lock.held
+                (pid,) = holder_pids(pg_admin, name)
+                assert _transaction_state(pg_admin, pid) == "idle"
+            assert holder_pids(pg_admin, name) == []
+            with engine.connect() as connection:
+                dbapi: Any = connection.connection.dbapi_connection
+                assert dbapi.info.backend_pid == pid
+                assert dbapi.autocommit is False
+                connection.exec_driver_sql("SELECT 1")
+                assert dbapi.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+                connection.rollback()
+    finally:
+        engine.dispose()

@@ -813,15 +813,60 @@ class _PooledParts:
     (which SQLAlchemy empties when it replaces the DB-API connection), so that each later
     checkout reads both with one lookup."""
 
-    __slots__ = ("backend", "dbapi", "executor", "state")
+    __slots__ = ("backend", "dbapi", "executor", "pgconn", "state")
 
     def __init__(self, fairy: PoolProxiedConnection, backend: Backend) -> None:
         info = fairy.info
-        self.dbapi = fairy.dbapi_connection
+        self.dbapi = dbapi = fairy.dbapi_connection
         self.backend = backend
         self.state = connection_state(info, backend, fairy)
-        self.executor = executor_for(fairy, info)
+        self.executor = executor = executor_for(fairy, info)
+        # A blocking psycopg 3 connection's (see _OwnCheckoutExecutor), else None.
+        self.pgconn = libpq_connection(dbapi) if type(executor) is DBAPIExecutor else None
         info[POOLED_PARTS_INFO_KEY] = self
+
+
+class _OwnCheckoutExecutor:
+    """Runs the statements of an engine lock's own checkout of a blocking psycopg 3
+    connection, idle at checkout, from a pool of many (so no one else uses it while the
+    lock has it).
+
+    A session lock's statements must run outside any transaction. Where libpq sends
+    them (see ``LibpqStatements.value``'s ``outside``), they do on this idle connection
+    whatever its autocommit mode, so the checkout is not switched to autocommit and
+    back. A statement libpq does not send switches the connection to autocommit first,
+    for the rest of the checkout (the checkin hook puts the mode back), as a checkout is
+    switched at once where libpq cannot send.
+    """
+
+    __slots__ = ("_executor", "_fairy")
+
+    def __init__(self, fairy: PoolProxiedConnection, executor: DBAPIExecutor) -> None:
+        self._fairy = fairy
+        self._executor = executor
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self._executor.state
+
+    def execute(self, statement: Statement) -> object:
+        executor = self._executor
+        libpq = executor._libpq
+        if libpq is not None and statement.kind == VALUE:
+            try:
+                value = libpq.value(statement, True)
+            except Exception:
+                executor.failed()
+                raise
+            if value is not NOT_SENT:
+                return value
+        fairy = self._fairy
+        info = fairy.info
+        if AUTOCOMMIT_INFO_KEY not in info:
+            dbapi = fairy.dbapi_connection
+            if not driver_autocommit(dbapi):
+                info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
+        return executor.execute(statement)
 
 
 class PooledBorrow(_SettledAtOnce):
@@ -872,16 +917,29 @@ class PooledBorrow(_SettledAtOnce):
         if parts is None or parts.dbapi is not dbapi or parts.backend is not backend:
             parts = _PooledParts(fairy, backend)
         self.state = state = parts.state
-        # The usual checkout (psycopg 3, idle, a pool of many): not in a transaction, so
-        # not shared, and switched to autocommit, in one read of the connection
-        # (_claim_autocommit(), without the call).
+        executor: Any = parts.executor
         claimed = False
         if not single and backend.locks_on_server:
-            previous = claim_idle_autocommit(dbapi)
-            if previous is not None:
+            pgconn = parts.pgconn
+            if (
+                pgconn is not None
+                and executor._libpq is not None
+                and pgconn.transaction_status == PQTRANS_IDLE
+                and executor.connection._pipeline is None
+            ):
+                # The usual checkout (psycopg 3, idle, a pool of many, its statements
+                # sent through libpq): not in a transaction, so not shared, and left in
+                # its mode (see _OwnCheckoutExecutor).
                 claimed = True
-                if not previous:
-                    info[AUTOCOMMIT_INFO_KEY] = (False,)
+                executor = _OwnCheckoutExecutor(fairy, executor)
+            else:
+                # Else, on psycopg 3 idle: not shared either, and switched to autocommit,
+                # in one read of the connection (_claim_autocommit(), without the call).
+                previous = claim_idle_autocommit(dbapi)
+                if previous is not None:
+                    claimed = True
+                    if not previous:
+                        info[AUTOCOMMIT_INFO_KEY] = (False,)
         if claimed:
             self.shared = False
         else:
@@ -899,12 +957,12 @@ class PooledBorrow(_SettledAtOnce):
                 self.executor: Any = (
                     _AutocommitExecutor(fairy, lambda: _inside_transaction(fairy))
                     if backend.locks_on_server
-                    else parts.executor
+                    else executor
                 )
             else:
                 if not claimed and backend.locks_on_server and not driver_autocommit(dbapi):
                     info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
-                self.executor = parts.executor
+                self.executor = executor
             options = engine.get_execution_options()
             pooler = registry.pooler if options is registry.options else registry.declared(options)
             if pooler is not None or state.behind_proxy is not False:  # not server_checked()

@@ -24,6 +24,11 @@ What the cursor decides, this decides the same way:
 - the value: ``bool``, integer types and a void as psycopg's default loaders make them;
   any other type through psycopg's ``Transformer``.
 
+A caller that alone uses an idle connection and needs its statement outside any
+transaction (an engine lock's own checkout: see ``value``'s ``outside``) has it sent
+there whatever the connection's autocommit mode: without a BEGIN, a statement runs as
+its own transaction, as in autocommit.
+
 Anything else returns ``NOT_SENT`` before a byte is sent, and the executor sends the
 statement through its cursor: a transaction open, a pipeline, or a non-autocommit
 connection (where psycopg begins a transaction, and where a prepared statement that the
@@ -137,9 +142,12 @@ class LibpqStatements:
         # Statement text and parameter types -> its plan; None: the cursor's to send.
         self._plans: dict[tuple[str, tuple[int, ...]], _Plan | None] = {}
 
-    def value(self, statement: Statement) -> object:
+    def value(self, statement: Statement, outside: bool = False) -> object:
         """Run the VALUE ``statement`` on a blocking connection: its value, or
-        ``NOT_SENT``."""
+        ``NOT_SENT``. With ``outside``, the caller, which alone uses the connection,
+        asks for it to run outside any transaction whatever the connection's autocommit
+        mode: on an idle connection it then does, without a BEGIN (never for a statement
+        that must join the transaction a BEGIN would open: a transaction lock)."""
         # self._plan(statement), written out: run for every lock statement.
         encoded = statement.encoded
         if encoded is None:
@@ -156,7 +164,7 @@ class LibpqStatements:
             return NOT_SENT
         connection = self.connection
         with connection.lock:
-            sent = self._send(plan, values)
+            sent = self._send(plan, values, outside)
             if sent is _SENT:
                 result = connection.wait(self._execute(self.pgconn))[-1]
             elif sent is _PREPARE:
@@ -184,7 +192,7 @@ class LibpqStatements:
         plan, values = planned
         connection = self.connection
         async with connection.lock:
-            sent = self._send(plan, values)
+            sent = self._send(plan, values, False)
             if sent is _SENT:
                 result = (await connection.wait(self._execute(self.pgconn)))[-1]
             elif sent is _PREPARE:
@@ -217,16 +225,17 @@ class LibpqStatements:
         plan = self._plans[key] = None if command is None else _Plan(command, key[1])
         return plan
 
-    def _send(self, plan: _Plan, values: tuple[bytes, ...]) -> object:
+    def _send(self, plan: _Plan, values: tuple[bytes, ...], outside: bool) -> object:
         """With the connection's lock held: send the statement where one round trip runs
         it (``_SENT``: its result is next); ``_PREPARE`` where its time to be prepared has
         come (nothing sent: ``_prepare_and_run`` does both); ``NOT_SENT`` where the
-        connection is not idle in autocommit outside a pipeline. Asked under the lock,
-        which another thread or task may hold to open a transaction or a pipeline."""
+        connection is not idle in autocommit (or idle, with ``outside``) outside a
+        pipeline. Asked under the lock, which another thread or task may hold to open a
+        transaction or a pipeline."""
         connection, pgconn = self.connection, self.pgconn
         if (
             pgconn.transaction_status != _IDLE
-            or not connection._autocommit
+            or not (connection._autocommit or outside)
             or connection._pipeline is not None
             or pgconn.status != _OK
         ):
