@@ -162,11 +162,11 @@ def _run(statements: Statements, sql: str, params: tuple[object, ...]) -> None:
 
 
 class EngineFloor:
-    """On an Engine: a pool checkout, autocommit on for as long as the lock is held (a
-    session lock must not run inside a transaction the pool then rolls back: the driver
-    would send a BEGIN first and the checkin a ROLLBACK, two more round trips), the lock
-    statement; at release the unlock, autocommit off, the checkin with the pool's
-    reset-on-return (nothing to roll back)."""
+    """On an Engine: a pool checkout, the lock statement; at release the unlock, the
+    checkin with the pool's reset-on-return (nothing to roll back). A session lock must
+    not run inside a transaction the pool then rolls back; sent through libpq
+    (``Statements``) on the idle checkout, each statement is its own transaction
+    whatever the driver's autocommit mode, so the mode is never switched."""
 
     __slots__ = ("_engine", "_held", "_lock_params", "_unlock_params")
 
@@ -174,31 +174,28 @@ class EngineFloor:
         self._engine = engine
         self._lock_params = (key, timeout_ms)
         self._unlock_params = (key,)
-        self._held: tuple[PoolProxiedConnection, Any, Any] | None = None
+        self._held: tuple[PoolProxiedConnection, Any] | None = None
 
     def acquire(self) -> None:
         fairy = self._engine.raw_connection()
-        dbapi: Any = fairy.dbapi_connection
         cursor = _cursor(fairy)
-        dbapi.autocommit = True
         _run(cursor, TIMEOUT_LOCK_SQL, self._lock_params)
-        self._held = (fairy, dbapi, cursor)
+        self._held = (fairy, cursor)
 
     def release(self) -> None:
         held = self._held
         assert held is not None
-        fairy, dbapi, cursor = held
+        fairy, cursor = held
         self._held = None
         _run(cursor, UNLOCK_SQL, self._unlock_params)
-        dbapi.autocommit = False
         fairy.close()
 
 
 class ConnectionFloor:
-    """On a SQLAlchemy Connection outside a transaction: between statements the
-    connection is in the mode the application configured (autocommit off), so each
-    statement asks the driver whether a transaction is open (it would have to join it)
-    and switches autocommit on only around itself."""
+    """On a SQLAlchemy Connection outside a transaction: the connection stays in the
+    mode the application configured (autocommit off), so each statement asks the driver
+    whether a transaction is open (it would have to join it); on an idle connection it
+    is sent through libpq as its own transaction (see ``EngineFloor``)."""
 
     __slots__ = ("_connection", "_lock_params", "_unlock_params")
 
@@ -208,21 +205,19 @@ class ConnectionFloor:
         self._unlock_params = (key,)
 
     def acquire(self) -> None:
-        _switched_statement(self._connection.connection, TIMEOUT_LOCK_SQL, self._lock_params)
+        _idle_statement(self._connection.connection, TIMEOUT_LOCK_SQL, self._lock_params)
 
     def release(self) -> None:
-        _switched_statement(self._connection.connection, UNLOCK_SQL, self._unlock_params)
+        _idle_statement(self._connection.connection, UNLOCK_SQL, self._unlock_params)
 
 
-def _switched_statement(fairy: PoolProxiedConnection, sql: str, params: tuple[object, ...]) -> None:
+def _idle_statement(fairy: PoolProxiedConnection, sql: str, params: tuple[object, ...]) -> None:
     """One statement on a Connection outside a transaction (both Connection floors): ask
-    the driver whether a transaction is open, autocommit on, execute, autocommit off."""
+    the driver whether a transaction is open, execute."""
     dbapi: Any = fairy.dbapi_connection
     if dbapi.pgconn.transaction_status != IDLE:
         raise RuntimeError("the Connection floors cover a Connection outside a transaction")
-    dbapi.autocommit = True
     _run(_cursor(fairy), sql, params)
-    dbapi.autocommit = False
 
 
 class SessionFloor:
@@ -230,7 +225,7 @@ class SessionFloor:
     Session's engine pool and (the documented contract: one pooled connection per
     Session) the Session's transactions are routed to it while the lock is held, so it
     is a Connection set as ``session.bind``, which goes back to the Engine after the
-    last lock; autocommit on around the lock as on an Engine."""
+    last lock; its statements sent as on an Engine."""
 
     __slots__ = ("_held", "_lock_params", "_session", "_unlock_params")
 
@@ -238,7 +233,7 @@ class SessionFloor:
         self._session = session
         self._lock_params = (key, timeout_ms)
         self._unlock_params = (key,)
-        self._held: tuple[Engine, SAConnection, Any, Any] | None = None
+        self._held: tuple[Engine, SAConnection, Any] | None = None
 
     def acquire(self) -> None:
         session = self._session
@@ -248,20 +243,16 @@ class SessionFloor:
         assert isinstance(engine, Engine)
         connection = engine.connect()
         session.bind = connection
-        fairy = connection.connection
-        dbapi: Any = fairy.dbapi_connection
-        cursor = _cursor(fairy)
-        dbapi.autocommit = True
+        cursor = _cursor(connection.connection)
         _run(cursor, TIMEOUT_LOCK_SQL, self._lock_params)
-        self._held = (engine, connection, dbapi, cursor)
+        self._held = (engine, connection, cursor)
 
     def release(self) -> None:
         held = self._held
         assert held is not None
-        engine, connection, dbapi, cursor = held
+        engine, connection, cursor = held
         self._held = None
         _run(cursor, UNLOCK_SQL, self._unlock_params)
-        dbapi.autocommit = False
         self._session.bind = engine
         connection.close()  # checkin, with the pool's reset-on-return
 
@@ -323,8 +314,8 @@ def engine_floor(url: URL, stack: ExitStack) -> Case:
     tracked = TrackedEngine(url, stack)
     return _floor_case(
         "floor.engine.timeout",
-        "by hand on an Engine: raw_connection() checkout, autocommit on, the twin's two "
-        "statements, autocommit off, checkin",
+        "by hand on an Engine: raw_connection() checkout, the twin's two statements "
+        "through libpq outside any transaction, checkin",
         EngineFloor(tracked.engine, FLOOR_KEY_BASE),
         tracked.sockets,
     )
@@ -337,7 +328,7 @@ def connection_floor(url: URL, stack: ExitStack) -> Case:
     return _floor_case(
         "floor.connection.timeout",
         "by hand on a Connection outside a transaction: per statement, ask the driver "
-        "whether a transaction is open, autocommit on, execute, autocommit off",
+        "whether a transaction is open, execute through libpq",
         ConnectionFloor(connection, FLOOR_KEY_BASE + 1),
         tracked.sockets,
     )
@@ -350,8 +341,8 @@ def session_floor(url: URL, stack: ExitStack) -> Case:
     return _floor_case(
         "floor.session.timeout",
         "by hand on a Session: get_bind(), a Connection checked out and set as "
-        "session.bind, autocommit on, the twin's two statements, autocommit off, the "
-        "Engine back as session.bind, checkin",
+        "session.bind, the twin's two statements through libpq, the Engine back as "
+        "session.bind, checkin",
         SessionFloor(session, FLOOR_KEY_BASE + 2),
         tracked.sockets,
     )
@@ -453,7 +444,7 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
     """The contract floor on a SQLAlchemy Connection outside a transaction: the
     bookkeeping of ``_ContractFloorLock`` (holders counted in the pooled connection's
     ``info``) around ``ConnectionFloor``'s statements (the driver asked whether a
-    transaction is open, autocommit on only around each statement). What the library does
+    transaction is open, each statement sent through libpq). What the library does
     on this bind and the floor leaves out is the same list as ``_ContractFloorLock``'s."""
 
     __slots__ = ()
@@ -468,7 +459,7 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
         if count:
             holders[self._key] = count + 1
             return self
-        _switched_statement(fairy, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        _idle_statement(fairy, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
         holders[self._key] = 1
         return self
 
@@ -480,7 +471,7 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
             holders[self._key] = count
             return
         del holders[self._key]
-        _switched_statement(fairy, UNLOCK_SQL, (self._key,))  # raises for a lost lock
+        _idle_statement(fairy, UNLOCK_SQL, (self._key,))  # raises for a lost lock
 
 
 class _DjangoContractFloorLock:
@@ -565,12 +556,13 @@ _DJANGO_REQUEST = _RequestFlag()
 
 
 class _EngineContractFloorLock(_ContractFloorLock):
-    """The contract floor on an Engine: ``EngineFloor``'s checkout, autocommit switch,
-    statements and checkin, with the bookkeeping of ``_ContractFloorLock``: the holders
-    counted in the checked-out connection's ``info`` (the lock object keeps its checkout
-    while held, and a re-entry of the object counts on it), the unlock's answer checked,
-    and the pool guard: a listener on the pool's checkin (``guard_engine``) that checks
-    no lock is still counted on a connection going back (a library unlocks it there)."""
+    """The contract floor on an Engine: ``EngineFloor``'s checkout (checked to be
+    outside a transaction), statements and checkin, with the bookkeeping of
+    ``_ContractFloorLock``: the holders counted in the checked-out connection's
+    ``info`` (the lock object keeps its checkout while held, and a re-entry of the
+    object counts on it), the unlock's answer checked, and the pool guard: a listener
+    on the pool's checkin (``guard_engine``) that checks no lock is still counted on a
+    connection going back (a library unlocks it there)."""
 
     __slots__ = ("_fairy",)
 
@@ -588,12 +580,12 @@ class _EngineContractFloorLock(_ContractFloorLock):
         holders = info.get(_REGISTRY)
         if holders is None:
             holders = info[_REGISTRY] = {}
-        dbapi = fairy.dbapi_connection
-        dbapi.autocommit = True  # psycopg refuses it inside a transaction
+        if fairy.dbapi_connection.pgconn.transaction_status != IDLE:
+            fairy.close()
+            raise RuntimeError("floor.engine.contract covers a checkout outside a transaction")
         try:
             _run(_cursor(fairy), TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
         except BaseException:
-            dbapi.autocommit = False
             fairy.close()
             raise
         holders[self._key] = 1
@@ -610,7 +602,6 @@ class _EngineContractFloorLock(_ContractFloorLock):
         del holders[self._key]
         self._fairy = None
         _run(_cursor(fairy), UNLOCK_SQL, (self._key,))  # raises for a lost lock
-        fairy.dbapi_connection.autocommit = False
         fairy.close()
 
 
@@ -665,12 +656,9 @@ class _SessionContractFloorLock(_ContractFloorLock):
         if count:  # another lock object of this Session holds this name: counted
             holders[self._key] = count + 1
         else:
-            dbapi = fairy.dbapi_connection
-            dbapi.autocommit = True
             try:
                 _run(_cursor(fairy), TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
             except BaseException:
-                dbapi.autocommit = False
                 if not holders:
                     session.bind = engine
                     connection.close()
@@ -690,7 +678,6 @@ class _SessionContractFloorLock(_ContractFloorLock):
         del holders[self._key]
         self._held = None
         _run(_cursor(fairy), UNLOCK_SQL, (self._key,))  # raises for a lost lock
-        fairy.dbapi_connection.autocommit = False
         if not holders:
             self._connection.bind = self._engine
             connection.close()
