@@ -206,10 +206,13 @@ class AdvisoryLock(LockContract):
             state = borrowed.state
             if state.inherited:
                 run_steps(self._refuse_inherited(borrowed), site)
-            holding = state.find(
-                self.key_info, shared=options.shared, transaction=options.transaction
-            )
-            if holding is None:
+            # The active holding, or one made now and filed once granted: a waiter that
+            # is handed the lock returns sooner (see ConnectionState.prepare), and its
+            # release sends the unlock sooner too.
+            granting = state.find_or_prepare(self.key_info, options.shared, options.transaction)
+            if granting.filed:
+                holding = granting
+            else:
                 executor = borrowed.executor
                 statement = site.backend.lock_statement(
                     self.key_info,
@@ -218,10 +221,6 @@ class AdvisoryLock(LockContract):
                     timeout=options.timeout,
                     in_transaction=borrowed.in_transaction,
                 )
-                # Made now, filed once granted: a waiter that is handed the lock returns
-                # sooner (see ConnectionState.prepare), and its release sends the unlock
-                # sooner too.
-                granting = state.prepare(self.key_info, options.shared, options.transaction)
                 if not options.transaction:
                     granting.unlock = site.backend.unlock_statement(
                         self.key_info, shared=options.shared

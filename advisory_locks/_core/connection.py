@@ -86,6 +86,8 @@ class Holding:
     # The statement that gives a session lock back, made before the lock statement was
     # sent (None: made at release), so that a release sends its unlock at once.
     unlock: Statement | None = None
+    # Filed in its connection's state (``ConnectionState.insert``): granted.
+    filed: bool = False
 
     def __init__(
         self,
@@ -233,10 +235,24 @@ class ConnectionState:
             key, shared, transaction, len(self.savepoints), (identity, shared, transaction)
         )
 
+    def find_or_prepare(self, key: LockKey, shared: bool, transaction: bool) -> Holding:
+        """``find``, and where it finds nothing ``prepare``, in one lookup: the active
+        holding of ``key``, or the one a grant of it will add (not ``filed`` yet)."""
+        backend = self.backend  # _entry(), written out: run on every acquisition
+        identity = (
+            key.ints if backend is None or backend.locks_by_ints else backend.lock_identity(key)
+        )
+        entry = (identity, shared, transaction)
+        holding = self.holdings.get(entry)
+        if holding is not None and holding.active:
+            return holding
+        return Holding(key, shared, transaction, len(self.savepoints), entry)
+
     def insert(self, holding: Holding) -> Holding:
         """File ``holding`` (from ``prepare``), which the server just granted."""
         entry = holding.entry
         assert entry is not None
+        holding.filed = True
         with self.mutex:
             self.holdings[entry] = holding
         return holding
