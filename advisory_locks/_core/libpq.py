@@ -241,10 +241,13 @@ class LibpqStatements:
         ):
             return NOT_SENT
         threshold = connection.prepare_threshold
+        if threshold is None:  # nothing prepared, nor counted (as psycopg counts none)
+            pgconn.send_query_params(plan.command, values, plan.types)
+            return _SENT
         name = plan.name
-        if name is not None and threshold is not None:
+        if name is not None:
             pgconn.send_query_prepared(name, values)
-        elif threshold is None or plan.count < threshold:
+        elif plan.count < threshold:
             plan.count += 1
             pgconn.send_query_params(plan.command, values, plan.types)
         else:
