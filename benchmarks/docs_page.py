@@ -65,7 +65,7 @@ def render(report: Report, arguments: list[str]) -> str:
             "operation against its raw twin doing the same server work (timed in alternate "
             "blocks with it); round trips are counted by the kernel. A `floor.*` row is its "
             "bind's floor: the least any library must do on that bind (pool checkout and "
-            "checkin, the switch to autocommit and back, finding Django's connection), "
+            "checkin, the transaction check, finding Django's connection), "
             "written by hand against SQLAlchemy, Django and psycopg with the twin's two "
             "statements, sent through psycopg's libpq wrapper as the library sends its own "
             "(the twin sends them through a cursor, as an application on the raw driver "
