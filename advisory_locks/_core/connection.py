@@ -224,15 +224,11 @@ class ConnectionState:
     def prepare(self, key: LockKey, shared: bool, transaction: bool) -> Holding:
         """The holding a grant of ``key`` will add, made before the lock statement is
         sent: between the grant and ``acquire()`` returning, a waiter that was handed the
-        lock then only files it (``insert``), which shortens every handoff."""
-        backend = self.backend  # _entry(), written out: run on every acquisition
-        identity = (
-            key.ints if backend is None or backend.locks_by_ints else backend.lock_identity(key)
-        )
-        # Positional: a class called with keywords builds a dict for them (Python 3.11).
+        lock then only files it (``insert``), which shortens every handoff. (The blocking
+        acquire makes it with ``find_or_prepare``.)"""
         # The savepoint depth cannot change while this connection runs the lock statement.
         return Holding(
-            key, shared, transaction, len(self.savepoints), (identity, shared, transaction)
+            key, shared, transaction, len(self.savepoints), self._entry(key, shared, transaction)
         )
 
     def find_or_prepare(self, key: LockKey, shared: bool, transaction: bool) -> Holding:
