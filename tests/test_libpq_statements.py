@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.rows import TupleRow
-from sqlalchemy import create_engine
+from sqlalchemy import Connection, create_engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
@@ -454,6 +454,14 @@ def _transaction_state(admin: Admin, pid: int) -> str:
     return str(row[0])
 
 
+_libpq_value = LibpqStatements.value
+
+
+def _refusing_outside(self: LibpqStatements, statement: Statement, outside: bool = False) -> object:
+    """``LibpqStatements.value`` that sends nothing when asked to send ``outside``."""
+    return NOT_SENT if outside else _libpq_value(self, statement, outside)
+
+
 @pytest.mark.parametrize("libpq_refuses", [False, True])
 def test_an_engine_locks_checkout_runs_outside_a_transaction_and_keeps_its_mode(
     postgres_url: URL, pg_admin: Admin, monkeypatch: pytest.MonkeyPatch, libpq_refuses: bool
@@ -464,12 +472,7 @@ def test_an_engine_locks_checkout_runs_outside_a_transaction_and_keeps_its_mode(
     # switched back at checkin. Either way no transaction is open while the lock is held,
     # and the application's next checkout finds the mode it configured.
     if libpq_refuses:
-        real_value = LibpqStatements.value
-
-        def value(self: LibpqStatements, statement: Statement, outside: bool = False) -> object:
-            return NOT_SENT if outside else real_value(self, statement, outside)
-
-        monkeypatch.setattr(LibpqStatements, "value", value)
+        monkeypatch.setattr(LibpqStatements, "value", _refusing_outside)
     else:
         refuse_lock_statements_on_cursors(monkeypatch)
     name = unique_name("libpq-engine-mode")
@@ -483,6 +486,62 @@ def test_an_engine_locks_checkout_runs_outside_a_transaction_and_keeps_its_mode(
             assert holder_pids(pg_admin, name) == []
             with engine.connect() as connection:
                 dbapi: Any = connection.connection.dbapi_connection
+                assert dbapi.info.backend_pid == pid
+                assert dbapi.autocommit is False
+                connection.exec_driver_sql("SELECT 1")
+                assert dbapi.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+                connection.rollback()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("libpq_refuses", [False, True])
+def test_a_sessions_lock_connection_keeps_its_mode_and_joins_the_sessions_transaction(
+    postgres_url: URL, pg_admin: Admin, monkeypatch: pytest.MonkeyPatch, libpq_refuses: bool
+) -> None:
+    # A Session's lock connection, its own checkout of an idle psycopg connection: with
+    # no transaction of the Session open on it, the lock's statements go through libpq
+    # outside any transaction and the connection stays in the mode the application
+    # configured; where libpq sends nothing, it is switched until the Session begins a
+    # transaction. Either way the Session's transactions on it are real transactions,
+    # and a lock statement made while one is open joins it.
+    name, other = unique_name("libpq-session-mode"), unique_name("libpq-session-mode")
+    engine = create_engine(postgres_url, pool_size=1, max_overflow=0)
+    try:
+        with Session(engine) as session:
+            for attempt in range(3):
+                with monkeypatch.context() as patch:
+                    if libpq_refuses:
+                        patch.setattr(LibpqStatements, "value", _refusing_outside)
+                    elif attempt:  # the first lock makes the connection's cursor
+                        refuse_lock_statements_on_cursors(patch)
+                    lock = advisory_lock(session, name, timeout=1)
+                    lock.acquire()
+                (pid,) = holder_pids(pg_admin, name)
+                assert _transaction_state(pg_admin, pid) == "idle"
+                pinned = session.get_bind()
+                assert isinstance(pinned, Connection)
+                dbapi: Any = pinned.connection.dbapi_connection
+                assert dbapi.info.backend_pid == pid
+                # Switched only where libpq sent nothing (before the connection's first
+                # cursor, libpq is not ready to).
+                assert dbapi.autocommit is (libpq_refuses or not attempt)
+                # The Session's transaction, on the lock connection.
+                session.execute(text("SELECT 1"))
+                assert dbapi.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+                with advisory_lock(session, other, timeout=0) as joined:  # a try_ lock
+                    assert joined.held
+                    with advisory_lock(session, other + "-wait", timeout=1) as waited:
+                        assert waited.held  # waited for within a savepoint
+                        assert holder_pids(pg_admin, other + "-wait") == [pid]
+                    assert holder_pids(pg_admin, other) == [pid]
+                assert holder_pids(pg_admin, other) == []  # a session unlock: at once
+                lock.release()
+                assert holder_pids(pg_admin, name) == []
+                assert _transaction_state(pg_admin, pid) == "idle in transaction"
+                session.rollback()
+            with engine.connect() as connection:
+                dbapi = connection.connection.dbapi_connection
                 assert dbapi.info.backend_pid == pid
                 assert dbapi.autocommit is False
                 connection.exec_driver_sql("SELECT 1")

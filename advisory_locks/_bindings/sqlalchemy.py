@@ -813,7 +813,7 @@ class _PooledParts:
     (which SQLAlchemy empties when it replaces the DB-API connection), so that each later
     checkout reads both with one lookup."""
 
-    __slots__ = ("backend", "dbapi", "executor", "pgconn", "state")
+    __slots__ = ("backend", "dbapi", "executor", "own", "pgconn", "state")
 
     def __init__(self, fairy: PoolProxiedConnection, backend: Backend) -> None:
         info = fairy.info
@@ -823,26 +823,30 @@ class _PooledParts:
         self.executor = executor = executor_for(fairy, info)
         # A blocking psycopg 3 connection's (see _OwnCheckoutExecutor), else None.
         self.pgconn = libpq_connection(dbapi) if type(executor) is DBAPIExecutor else None
+        # An engine lock's executor on its own checkout, made at the first that needs it.
+        self.own: _OwnCheckoutExecutor | None = None
         info[POOLED_PARTS_INFO_KEY] = self
 
 
 class _OwnCheckoutExecutor:
-    """Runs the statements of an engine lock's own checkout of a blocking psycopg 3
+    """Runs the session-lock statements of a lock's own checkout of a blocking psycopg 3
     connection, idle at checkout, from a pool of many (so no one else uses it while the
-    lock has it).
+    lock has it): an engine lock's (one per DB-API connection, kept in its _PooledParts),
+    or a Session's lock connection's (_PinnedExecutor).
 
-    A session lock's statements must run outside any transaction. Where libpq sends
-    them (see ``LibpqStatements.value``'s ``outside``), they do on this idle connection
-    whatever its autocommit mode, so the checkout is not switched to autocommit and
-    back. A statement libpq does not send switches the connection to autocommit first,
-    for the rest of the checkout (the checkin hook puts the mode back), as a checkout is
-    switched at once where libpq cannot send.
+    A session lock's statements need no transaction. Where libpq sends them (see
+    ``LibpqStatements.value``'s ``outside``), they run on the idle connection whatever
+    its autocommit mode, so the checkout is not switched to autocommit and back. A
+    statement libpq does not send switches the connection to autocommit first, for the
+    rest of the checkout (the checkin hook puts the mode back), as a checkout is switched
+    at once where libpq cannot send.
     """
 
-    __slots__ = ("_executor", "_fairy")
+    __slots__ = ("_dbapi", "_executor", "_info")
 
-    def __init__(self, fairy: PoolProxiedConnection, executor: DBAPIExecutor) -> None:
-        self._fairy = fairy
+    def __init__(self, info: dict[Any, Any], dbapi: Any, executor: DBAPIExecutor) -> None:
+        self._info = info
+        self._dbapi = dbapi
         self._executor = executor
 
     @property
@@ -860,13 +864,63 @@ class _OwnCheckoutExecutor:
                 raise
             if value is not NOT_SENT:
                 return value
-        fairy = self._fairy
-        info = fairy.info
+        return self._not_sent(statement)
+
+    def _not_sent(self, statement: Statement) -> object:
+        info = self._info
         if AUTOCOMMIT_INFO_KEY not in info:
-            dbapi = fairy.dbapi_connection
+            dbapi = self._dbapi
             if not driver_autocommit(dbapi):
                 info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
-        return executor.execute(statement)
+        return self._executor.execute(statement)
+
+
+class _PinnedExecutor(_OwnCheckoutExecutor):
+    """``_OwnCheckoutExecutor`` on a Session's lock connection, whose transactions run on
+    it (SessionPin): a statement libpq does not send joins the Session's transaction
+    open on it, or else switches the connection to autocommit until the Session begins
+    one (``_AutocommitExecutor`` with persist)."""
+
+    __slots__ = ("_fairy", "_inside", "_otherwise")
+
+    def __init__(
+        self, fairy: PoolProxiedConnection, executor: DBAPIExecutor, inside: Callable[[], bool]
+    ) -> None:
+        self._info = fairy.info
+        self._dbapi = fairy.dbapi_connection
+        self._executor = executor
+        self._fairy = fairy
+        self._inside = inside
+        self._otherwise: _AutocommitExecutor | None = None
+
+    def _not_sent(self, statement: Statement) -> object:
+        otherwise = self._otherwise
+        if otherwise is None:
+            otherwise = self._otherwise = _AutocommitExecutor(
+                self._fairy, self._inside, True, self._executor
+            )
+        return otherwise.execute(statement)
+
+
+def _pooled_parts(fairy: PoolProxiedConnection, backend: Backend) -> _PooledParts:
+    """The checkout's _PooledParts, made if its DB-API connection has none yet."""
+    parts: _PooledParts | None = fairy.info.get(POOLED_PARTS_INFO_KEY)
+    if parts is None or parts.dbapi is not fairy.dbapi_connection or parts.backend is not backend:
+        parts = _PooledParts(fairy, backend)
+    return parts
+
+
+def _libpq_idle(parts: _PooledParts) -> bool:
+    """Whether the lock statements on the parts' connection are sent through libpq (a
+    blocking psycopg 3 connection), and it is idle now, outside a pipeline (see
+    _OwnCheckoutExecutor)."""
+    pgconn = parts.pgconn
+    return (
+        pgconn is not None
+        and parts.executor._libpq is not None
+        and pgconn.transaction_status == PQTRANS_IDLE
+        and parts.executor.connection._pipeline is None
+    )
 
 
 class PooledBorrow(_SettledAtOnce):
@@ -912,7 +966,8 @@ class PooledBorrow(_SettledAtOnce):
         info = fairy.info
         dbapi = fairy.dbapi_connection
         # The state and executor of an earlier lock's checkout of this DB-API connection
-        # (see _PooledParts), else those connection_state() and executor_for() make.
+        # (see _PooledParts), else those connection_state() and executor_for() make:
+        # _pooled_parts() and _libpq_idle(), written out on the Engine's path.
         parts: _PooledParts | None = info.get(POOLED_PARTS_INFO_KEY)
         if parts is None or parts.dbapi is not dbapi or parts.backend is not backend:
             parts = _PooledParts(fairy, backend)
@@ -931,7 +986,10 @@ class PooledBorrow(_SettledAtOnce):
                 # sent through libpq): not in a transaction, so not shared, and left in
                 # its mode (see _OwnCheckoutExecutor).
                 claimed = True
-                executor = _OwnCheckoutExecutor(fairy, executor)
+                own = parts.own
+                if own is None:
+                    own = parts.own = _OwnCheckoutExecutor(info, dbapi, executor)
+                executor = own
             else:
                 # Else, on psycopg 3 idle: not shared either, and switched to autocommit,
                 # in one read of the connection (_claim_autocommit(), without the call).
@@ -1159,8 +1217,10 @@ class SessionPin:
         "backend",
         "connection",
         "engine",
+        "executor",
         "fairy",
         "joined",
+        "sends_outside",
         "session",
         "shared",
         "state",
@@ -1179,20 +1239,25 @@ class SessionPin:
         self.engine = engine
         self.backend = backend
         self.joined = joined
-        self.fairy = self.connection.connection
-        self.state = connection_state(self.fairy.info, backend, self.fairy)
+        self.fairy = fairy = self.connection.connection
+        parts = _pooled_parts(fairy, backend)
+        self.state = parts.state
+        self.executor = parts.executor
         self._borrow: weakref.ref[PinnedBorrow] | None = None
         self._pinned = True
+        self.sends_outside = False
         single = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
-        # A checkout of its own from a pool of many (psycopg 3, idle): not shared, and
-        # switched to autocommit now, in one read, as its first lock statement would
-        # switch it (_AutocommitExecutor with persist).
-        if (
-            joined is None
-            and not single
-            and backend.locks_on_server
-            and _claim_autocommit(self.fairy.dbapi_connection, self.fairy.info)
-        ):
+        own = joined is None and not single and backend.locks_on_server
+        if own and _libpq_idle(parts):
+            # A checkout of its own from a pool of many (psycopg 3, idle, its statements
+            # sent through libpq): not shared, and left in its mode (_OwnCheckoutExecutor
+            # in PinnedBorrow).
+            self.shared = False
+            self.sends_outside = True
+        elif own and _claim_autocommit(self.fairy.dbapi_connection, self.fairy.info):
+            # Else, on psycopg 3 idle: not shared either, and switched to autocommit now,
+            # in one read, as its first lock statement would switch it
+            # (_AutocommitExecutor with persist).
             self.shared = False
         else:
             # As for PooledBorrow: a connection handed out inside a transaction is someone
@@ -1335,9 +1400,17 @@ class PinnedBorrow(_SettledAtOnce):
         if pin.backend.locks_on_server:
             # Others may use the connection of a single-connection pool without
             # SQLAlchemy beginning anything on it: switch only for each statement there.
-            self.executor: Any = _AutocommitExecutor(fairy, pin.inside_transaction, not pin.shared)
+            if pin.sends_outside:
+                # Sent through libpq while no transaction is open on the connection; a
+                # statement it does not send joins the Session's transaction, or
+                # switches, as below.
+                self.executor: Any = _PinnedExecutor(fairy, pin.executor, pin.inside_transaction)
+            else:
+                self.executor = _AutocommitExecutor(
+                    fairy, pin.inside_transaction, not pin.shared, pin.executor
+                )
         else:
-            self.executor = executor_for(fairy, fairy.info)
+            self.executor = pin.executor
         if self.state.inherited:
             return  # a forked child's copy: nothing may be sent (the lock refuses it)
         try:
