@@ -104,6 +104,27 @@ def test_a_throughput_target_is_met_at_or_above_its_limit() -> None:
     }
 
 
+def test_the_raw_driver_throughput_allows_the_twin_a_tenth_more() -> None:
+    # DESIGN.md's "<= 1.1x the twin in throughput": the twin's operations at most 1.1
+    # times ours, so ours at least 1/1.1 = 0.909 of the twin's (not 0.9).
+    report = _report(
+        uncontended=[],
+        handoff=[],
+        throughput=[
+            _throughput_row("floor.psycopg.contract", [0.95, 0.96]),
+            _throughput_row("ours.psycopg.timeout", [0.905, 0.906]),
+        ],
+    )
+
+    (row,) = judge(report)
+
+    assert (row.target.what, row.bind) == (
+        "throughput, one key, >= 0.909x (raw driver)",
+        "psycopg `Connection`",
+    )
+    assert row.verdict == "open"
+
+
 def test_a_verdict_is_undecided_when_its_rounds_disagree_with_its_own_figure() -> None:
     # A handoff's figure is pooled over all trials, not a median of its rounds: here it
     # meets 1.1x while every round misses it.
