@@ -17,10 +17,10 @@ newer than the stamp file its last install left behind; an existing .venv is nev
 deleted, only installed into.
 
 --matrix runs the suite where the README's support claims end: "oldest" is the lowest
-supported Python found on this machine (on PATH, or installed by pyenv) with Django 4.2
-and SQLAlchemy 2.0; "newest" the highest supported Python with the latest releases of the
-newest Django and SQLAlchemy series claimed (6.0, 2.1) it can run (Django 6.0 needs
-Python 3.12+).
+supported Python found on this machine (on PATH, or installed by pyenv) with Django 4.2,
+SQLAlchemy 2.0 and psycopg 3.1; "newest" the highest supported Python with the latest
+releases of the newest Django and SQLAlchemy series claimed (6.0, 2.1) it can run
+(Django 6.0 needs Python 3.12+).
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ class Matrix:
 
 
 MATRIX = {
-    "oldest": Matrix("oldest", ("Django~=4.2.0", "SQLAlchemy~=2.0.0"), upgrade=False),
+    "oldest": Matrix(
+        "oldest", ("Django~=4.2.0", "SQLAlchemy~=2.0.0", "psycopg[binary]~=3.1.0"), upgrade=False
+    ),
     # The newest releases of the series the README claims, not beyond them.
     "newest": Matrix("newest", ("Django<6.1", "SQLAlchemy<2.2"), upgrade=True),
 }
@@ -122,15 +124,15 @@ def matrix_python(name: str) -> Path:
             sys.exit(f"dev.py: pip install into {environment} failed")
         stamp.touch()
     report = (
-        "import sys, django, sqlalchemy; "
-        "print(sys.version.split()[0], django.__version__, sqlalchemy.__version__)"
+        "import sys, django, sqlalchemy, psycopg; print(sys.version.split()[0], "
+        "django.__version__, sqlalchemy.__version__, psycopg.__version__)"
     )
     versions = subprocess.run(
         [str(python), "-c", report], capture_output=True, text=True, check=True
     ).stdout.split()
     print(
         f"dev.py: matrix {name}: Python {versions[0]}, Django {versions[1]}, "
-        f"SQLAlchemy {versions[2]}",
+        f"SQLAlchemy {versions[2]}, psycopg {versions[3]}",
         file=sys.stderr,
         flush=True,
     )

@@ -247,3 +247,9 @@ def refuse_lock_statements_on_cursors(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(psycopg.Cursor, "execute", refuse(psycopg.Cursor.execute))
     monkeypatch.setattr(psycopg.AsyncCursor, "execute", refuse(psycopg.AsyncCursor.execute))
+
+
+# psycopg's raw-query cursors ($1 placeholders) came with psycopg 3.2.
+needs_raw_cursors = pytest.mark.skipif(
+    not hasattr(psycopg, "RawCursor"), reason="psycopg < 3.2 has no raw-query cursors"
+)

@@ -43,7 +43,14 @@ from advisory_locks._core.executors import DBAPIExecutor
 from advisory_locks._core.steps import VALUE, Statement
 from advisory_locks.keys import LockName
 from advisory_locks.sqlalchemy import create_lease_table
-from tests.helpers import backend_alive, holder_pids, lock_rows, unique_name, wait_for
+from tests.helpers import (
+    backend_alive,
+    holder_pids,
+    lock_rows,
+    needs_raw_cursors,
+    unique_name,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -781,6 +788,7 @@ def test_a_psycopg2_asynchronous_connection_is_refused_before_anything_is_sent(
         conn.close()
 
 
+@needs_raw_cursors
 @pytest.mark.parametrize("autocommit", [True, False], ids=["autocommit", "transactional"])
 def test_a_psycopg_connection_with_raw_query_cursors_locks_like_any_other(
     dsn: str, pg_admin: psycopg.Connection[TupleRow], autocommit: bool
@@ -805,6 +813,7 @@ def test_a_psycopg_connection_with_raw_query_cursors_locks_like_any_other(
         assert conn.execute("SELECT $1::int", [7]).fetchone() == (7,)
 
 
+@needs_raw_cursors
 def test_a_psycopg_pool_of_raw_query_cursor_connections_locks_like_any_other(
     dsn: str, pg_admin: psycopg.Connection[TupleRow], pg_engine: Engine
 ) -> None:

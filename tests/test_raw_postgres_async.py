@@ -38,7 +38,14 @@ from advisory_locks import (
     current_advisory_locks,
 )
 from advisory_locks._bindings import _asyncpg_compat, _psycopg_pool_compat
-from tests.helpers import backend_alive, holder_pids, lock_rows, unique_name, waiter_pids
+from tests.helpers import (
+    backend_alive,
+    holder_pids,
+    lock_rows,
+    needs_raw_cursors,
+    unique_name,
+    waiter_pids,
+)
 from tests.test_raw_postgres import held, libpq_url
 
 pytestmark = pytest.mark.timeout(60)
@@ -726,6 +733,7 @@ def test_the_asyncio_binds_need_neither_sqlalchemy_nor_greenlet(dsn: str) -> Non
     assert completed.stdout.strip() == "ok"
 
 
+@needs_raw_cursors
 @pytest.mark.parametrize("autocommit", [True, False], ids=["autocommit", "transactional"])
 async def test_an_async_psycopg_connection_with_raw_query_cursors_locks_like_any_other(
     postgres_url: URL, pg_admin: Admin, autocommit: bool

@@ -205,7 +205,7 @@ class LibpqStatements:
                     result = (await connection.wait(again))[-1]
         return self._answer(result)
 
-    def _plan(self, statement: Statement) -> tuple[_Plan, tuple[bytes, ...]] | None:
+    def _plan(self, statement: Statement) -> tuple[_Plan, list[bytes]] | None:
         """The statement's plan and parameter values; None: the cursor's to send. (Whether
         the connection is ready for it is asked under its lock.)"""
         encoded = statement.encoded
@@ -225,7 +225,7 @@ class LibpqStatements:
         plan = self._plans[key] = None if command is None else _Plan(command, key[1])
         return plan
 
-    def _send(self, plan: _Plan, values: tuple[bytes, ...], outside: bool) -> object:
+    def _send(self, plan: _Plan, values: list[bytes], outside: bool) -> object:
         """With the connection's lock held: send the statement where one round trip runs
         it (``_SENT``: its result is next); ``_PREPARE`` where its time to be prepared has
         come (nothing sent: ``_prepare_and_run`` does both); ``NOT_SENT`` where the
@@ -254,7 +254,7 @@ class LibpqStatements:
             return _PREPARE
         return _SENT
 
-    def _prepare_and_run(self, plan: _Plan, values: tuple[bytes, ...]) -> Any:
+    def _prepare_and_run(self, plan: _Plan, values: list[bytes]) -> Any:
         """Prepare the statement, then run it: round trips for the connection's
         ``wait()`` (psycopg's ``PQGen``), returning the statement's result (or the
         preparation's error)."""
@@ -271,7 +271,7 @@ class LibpqStatements:
         pgconn.send_query_prepared(name, values)
         return (yield from execute(pgconn))[-1]
 
-    def _send_again(self, plan: _Plan, values: tuple[bytes, ...], result: Any) -> Any:
+    def _send_again(self, plan: _Plan, values: list[bytes], result: Any) -> Any:
         """After a statement of a prepared ``plan`` failed with ``result``: where the
         server no longer has it (DEALLOCATE ALL, DISCARD ALL, a pool's reset), and so did
         not run it, outside any transaction, it is sent again unprepared, and its result
@@ -321,10 +321,11 @@ def _name(plan: _Plan) -> bytes:
     return f"_advisory_locks_{digest[:24]}".encode()
 
 
-def _encode(statement: Statement) -> tuple[tuple[str, tuple[int, ...]], tuple[bytes, ...]] | bool:
+def _encode(statement: Statement) -> tuple[tuple[str, tuple[int, ...]], list[bytes]] | bool:
     """The statement's text with its parameters' types, and the parameters as text, as
     psycopg's default dumpers type and write them; False where one is not an ``int`` in
-    int8's range or an ASCII ``str`` (the cursor's to send)."""
+    int8's range or an ASCII ``str`` (the cursor's to send). The values are a list, never
+    changed once made: psycopg 3.1's compiled libpq wrapper takes no other sequence."""
     values: list[bytes] = []
     types: list[int] = []
     for param in statement.params:
@@ -341,7 +342,7 @@ def _encode(statement: Statement) -> tuple[tuple[str, tuple[int, ...]], tuple[by
             values.append(param.encode())
         else:
             return False
-    return (statement.sql, tuple(types)), tuple(values)
+    return (statement.sql, tuple(types)), values
 
 
 def libpq_statements(cursor: Any, state: dict[str, Any]) -> LibpqStatements | None:
