@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import create_async_engine
 
-from advisory_locks import AdvisoryLockError, LockUsageError, advisory_lock
+from advisory_locks import (
+    AdvisoryLockError,
+    LockUsageError,
+    advisory_lock,
+    advisory_lock_set,
+    lease_lock,
+)
+from advisory_locks.sqlalchemy import create_lease_table
 from tests.helpers import holder_pids, unique_name
 from tests.test_raw_postgres import Admin, libpq_url
 
@@ -104,3 +115,32 @@ def _capture(function: object, errors: list[BaseException]) -> None:
         function()  # type: ignore[operator]
     except BaseException as error:
         errors.append(error)
+
+
+@pytest.mark.parametrize(
+    "copier", [copy.copy, copy.deepcopy, pickle.dumps], ids=["copy", "deepcopy", "pickle"]
+)
+def test_a_lock_object_cannot_be_copied_or_pickled(
+    pg_engine: Engine, postgres_url: URL, pg_admin: Admin, copier: Callable[[Any], Any]
+) -> None:
+    # A copy of a held lock object would count itself a holder: its release would unlock
+    # what the original still holds.
+    name = unique_name()
+    create_lease_table(pg_engine)  # if it is not there yet
+    async_engine = create_async_engine(postgres_url.set(drivername="postgresql+psycopg_async"))
+    objects: list[Any] = [
+        advisory_lock(pg_engine, name),
+        advisory_lock_set(pg_engine, [name, name + "-2"]),
+        lease_lock(pg_engine, name),
+        advisory_lock(async_engine, name),
+    ]
+    for lock in objects:
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            copier(lock)
+    held = objects[0]
+    with held:
+        with pytest.raises(TypeError, match="Make another lock object"):
+            copier(held)
+        assert held.held
+        assert len(holder_pids(pg_admin, name)) == 1
+    assert holder_pids(pg_admin, name) == []

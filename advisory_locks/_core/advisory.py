@@ -30,6 +30,7 @@ from advisory_locks._core.contract import (
     LockContract,
     LockOptions,
     Timeout,
+    Uncopyable,
     not_acquired_error,
     validate_timeout,
 )
@@ -781,7 +782,7 @@ class AsyncAdvisoryLock(AsyncLockContract):
         return "<Async" + repr(self._lock)[1:]
 
 
-class AdvisoryLockSet:
+class AdvisoryLockSet(Uncopyable):
     """Several locks taken in one canonical order (by key) and given back together.
 
     Two holders that take overlapping sets through this class queue behind each other
@@ -906,7 +907,7 @@ class AdvisoryLockSet:
         return f"<AdvisoryLockSet {self.names!r} {state}>"
 
 
-class AsyncAdvisoryLockSet:
+class AsyncAdvisoryLockSet(Uncopyable):
     """The awaitable twin of [AdvisoryLockSet][advisory_locks.AdvisoryLockSet]."""
 
     __slots__ = ("_call", "_run", "_set")

@@ -24,6 +24,7 @@ __all__ = [
     "LockContract",
     "LockOptions",
     "Timeout",
+    "Uncopyable",
     "lock_options",
     "not_acquired_error",
     "validate_flags",
@@ -122,7 +123,22 @@ def reported_inside(exc: BaseException | None, name: object) -> bool:
     return isinstance(exc, LockLost) and exc.name == name
 
 
-class LockContract(abc.ABC):
+class Uncopyable:
+    """A lock object is one holder: a copy (``copy.copy``, ``copy.deepcopy``) or a pickle
+    of a held one would count itself a holder too, and its release would unlock what the
+    original still holds. Refused, held or not, as ``threading.Lock`` refuses."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{type(self).__name__} objects cannot be copied or pickled: a copy would share "
+            "this object's hold on the lock. Make another lock object where one is needed "
+            "(call advisory_lock(...) again)"
+        )
+
+
+class LockContract(Uncopyable, abc.ABC):
     """A lock for blocking code: ``with lock:`` or ``acquire()`` / ``release()``."""
 
     __slots__ = ()
@@ -180,7 +196,7 @@ class LockContract(abc.ABC):
         return None
 
 
-class AsyncLockContract(abc.ABC):
+class AsyncLockContract(Uncopyable, abc.ABC):
     """A lock for asyncio code: ``async with lock:`` or ``await acquire()`` / ``release()``."""
 
     __slots__ = ()
