@@ -208,8 +208,8 @@ class AdvisoryLock(LockContract):
             if state.inherited:
                 run_steps(self._refuse_inherited(borrowed), site)
             # The active holding, or one made now and filed once granted: a waiter that
-            # is handed the lock returns sooner (see ConnectionState.prepare), and its
-            # release sends the unlock sooner too.
+            # is handed the lock returns sooner (see ConnectionState.find_or_prepare),
+            # and its release sends the unlock sooner too.
             granting = state.find_or_prepare(self.key_info, options.shared, options.transaction)
             if granting.filed:
                 holding = granting
@@ -333,10 +333,11 @@ class AdvisoryLock(LockContract):
             state = borrowed.state
             if state.inherited:
                 await arun_steps(self._refuse_inherited(borrowed), site)
-            holding = state.find(
-                self.key_info, shared=options.shared, transaction=options.transaction
-            )
-            if holding is None:
+            # As in acquire(): the active holding, or the one a grant files.
+            granting = state.find_or_prepare(self.key_info, options.shared, options.transaction)
+            if granting.filed:
+                holding = granting
+            else:
                 executor = borrowed.executor
                 statement = site.backend.lock_statement(
                     self.key_info,
@@ -345,6 +346,10 @@ class AdvisoryLock(LockContract):
                     timeout=options.timeout,
                     in_transaction=borrowed.in_transaction,
                 )
+                if not options.transaction:
+                    granting.unlock = site.backend.unlock_statement(
+                        self.key_info, shared=options.shared
+                    )
                 try:
                     if statement is None:
                         granted = await aperform(executor, self._acquire_steps(borrowed))
@@ -359,7 +364,9 @@ class AdvisoryLock(LockContract):
                     await arun_steps(self._acquire_failed(started, borrowed, error), site)
                 if not granted:
                     return await arun_steps(self._refused(started, borrowed), site)
-                holding = self._granted(started, state)
+                holding = state.insert(granting)
+                if started is not None and events.listeners:
+                    report_grant(holding, self._source(state), time.monotonic() - started)
             holding.count += 1
             self._count = 1
             self._borrowed = borrowed
@@ -473,14 +480,6 @@ class AdvisoryLock(LockContract):
         self._report_refusal(started, borrowed.state, None)
         return False
 
-    def _granted(self, started: float | None, state: ConnectionState) -> Holding:
-        """The server granted the lock: record it on its connection."""
-        options = self.options
-        holding = state.add(self.key_info, shared=options.shared, transaction=options.transaction)
-        if started is not None and events.listeners:
-            report_grant(holding, self._source(state), time.monotonic() - started)
-        return holding
-
     def _not_held(self) -> LockUsageError:
         message = f"lock {self.name!r} is not held by this lock object"
         held_elsewhere = getattr(self._site, "holds_anywhere", None)
@@ -554,7 +553,9 @@ class AdvisoryLock(LockContract):
             await arun_steps(self._release_without_unlock(holding, borrowed), site)
             return
         executor = borrowed.executor
-        statement = site.backend.unlock_statement(self.key_info, shared=self.options.shared)
+        statement = holding.unlock
+        if statement is None:
+            statement = site.backend.unlock_statement(self.key_info, shared=self.options.shared)
         try:
             if statement is None:
                 released = await aperform(executor, self._release_steps(state))

@@ -65,7 +65,7 @@ TRANSACTION_POOLING: Final = (
 class Holding:
     """One lock the server holds for a connection, however many times it was taken.
 
-    Made for every acquisition (see ``ConnectionState.prepare``), so the attributes a
+    Made for every acquisition (see ``ConnectionState.find_or_prepare``), so the attributes a
     new holding shares with every other are class attributes until set on it: its
     ``__init__`` sets five, not twelve.
     """
@@ -218,22 +218,11 @@ class ConnectionState:
         holding = self.holdings.get((identity, shared, transaction))
         return holding if holding is not None and holding.active else None
 
-    def add(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding:
-        return self.insert(self.prepare(key, shared, transaction))
-
-    def prepare(self, key: LockKey, shared: bool, transaction: bool) -> Holding:
-        """The holding a grant of ``key`` will add, made before the lock statement is
-        sent: between the grant and ``acquire()`` returning, a waiter that was handed the
-        lock then only files it (``insert``), which shortens every handoff. (The blocking
-        acquire makes it with ``find_or_prepare``.)"""
-        # The savepoint depth cannot change while this connection runs the lock statement.
-        return Holding(
-            key, shared, transaction, len(self.savepoints), self._entry(key, shared, transaction)
-        )
-
     def find_or_prepare(self, key: LockKey, shared: bool, transaction: bool) -> Holding:
-        """``find``, and where it finds nothing ``prepare``, in one lookup: the active
-        holding of ``key``, or the one a grant of it will add (not ``filed`` yet)."""
+        """``find`` in one lookup, and where it finds nothing, the holding a grant of
+        ``key`` will add (not ``filed`` yet), made before the lock statement is sent:
+        between the grant and ``acquire()`` returning, a waiter that was handed the lock
+        then only files it (``insert``), which shortens every handoff."""
         backend = self.backend  # _entry(), written out: run on every acquisition
         identity = (
             key.ints if backend is None or backend.locks_by_ints else backend.lock_identity(key)
@@ -242,10 +231,11 @@ class ConnectionState:
         holding = self.holdings.get(entry)
         if holding is not None and holding.active:
             return holding
+        # The savepoint depth cannot change while this connection runs the lock statement.
         return Holding(key, shared, transaction, len(self.savepoints), entry)
 
     def insert(self, holding: Holding) -> Holding:
-        """File ``holding`` (from ``prepare``), which the server just granted."""
+        """File ``holding`` (from ``find_or_prepare``), which the server just granted."""
         entry = holding.entry
         assert entry is not None
         holding.filed = True
