@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any, ClassVar, Protocol
@@ -49,11 +50,15 @@ from benchmarks.uncontended import (
 )
 
 __all__ = [
+    "ASYNCPG_TIMEOUT_LOCK_SQL",
+    "ASYNCPG_UNLOCK_SQL",
     "CONNECTION_CONTRACT",
     "DJANGO_CONTRACT",
     "ENGINE_CONTRACT",
     "PSYCOPG_CONTRACT",
     "SESSION_CONTRACT",
+    "AsyncpgContractFloorLock",
+    "AsyncpgPoolContractFloorLock",
     "ConnectionFloor",
     "DjangoFloor",
     "EngineFloor",
@@ -472,6 +477,103 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
             return
         del holders[self._key]
         _idle_statement(fairy, UNLOCK_SQL, (self._key,))  # raises for a lost lock
+
+
+# The twin's statements as asyncpg takes them ($n placeholders).
+ASYNCPG_TIMEOUT_LOCK_SQL = (
+    "SELECT pg_advisory_lock($1) FROM (SELECT pg_catalog.set_config('lock_timeout', $2, true)) "
+    "AS timeout"
+)
+ASYNCPG_UNLOCK_SQL = "SELECT pg_advisory_unlock($1)"
+
+
+class AsyncpgContractFloorLock(_ContractFloorLock):
+    """The contract floor on an asyncpg connection outside a transaction: the bookkeeping
+    of ``_ContractFloorLock``, in ``async with``, around the asyncpg twin's two
+    statements (``fetchval``). The connection is read before each statement, closed or
+    not and whether a transaction is open (where a lock with a timeout would have to
+    wrap its wait in a savepoint; the benchmark's is never in one).
+
+    An asyncpg connection has no ``__dict__``: the holders are kept by the connection's
+    id, in an entry that a finalizer, made at the connection's first lock, removes when
+    the connection goes (cheaper per lock than a ``WeakKeyDictionary``, which makes a
+    weak reference at every lookup). Left out as for ``_ContractFloorLock``, and also
+    what asyncpg's pool asks of a library: its release runs ``pg_advisory_unlock_all()``,
+    which the bookkeeping must learn of.
+    """
+
+    __slots__ = ()
+
+    _holders: ClassVar[dict[int, dict[int, int]]] = {}
+
+    async def __aenter__(self) -> AsyncpgContractFloorLock:
+        connection = self._connection
+        holders = self._holders.get(id(connection))
+        if holders is None:
+            holders = self._holders[id(connection)] = {}
+            weakref.finalize(connection, self._holders.pop, id(connection), None)
+        count = holders.get(self._key)
+        if count:
+            holders[self._key] = count + 1
+            return self
+        if connection.is_closed():
+            raise RuntimeError("closed")
+        if connection.is_in_transaction():
+            raise RuntimeError("floor.asyncpg.contract covers a connection outside a transaction")
+        await connection.fetchval(ASYNCPG_TIMEOUT_LOCK_SQL, self._key, self._timeout_ms)
+        holders[self._key] = 1
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        connection = self._connection
+        holders = self._holders[id(connection)]
+        count = holders[self._key] - 1
+        if count:
+            holders[self._key] = count
+            return
+        del holders[self._key]
+        if connection.is_closed():
+            raise RuntimeError("lost")
+        if not await connection.fetchval(ASYNCPG_UNLOCK_SQL, self._key):
+            raise RuntimeError("lost")
+
+
+class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
+    """The contract floor on an asyncpg pool: a connection acquired from the pool for the
+    lock object (a re-entry of the object counts on it) and released to the pool after
+    the unlock, with ``AsyncpgContractFloorLock``'s bookkeeping on the connection the
+    pool's proxy wraps (the proxy, one per acquire, takes no weak reference)."""
+
+    __slots__ = ("_pool", "_proxy")
+
+    def __init__(self, pool: Any, name: str, timeout: float) -> None:
+        super().__init__(None, name, timeout)
+        self._pool = pool
+        self._proxy: Any = None
+
+    async def __aenter__(self) -> AsyncpgPoolContractFloorLock:
+        if self._proxy is not None:  # a re-entry of this object, on its connection
+            self._holders[id(self._connection)][self._key] += 1
+            return self
+        proxy = self._proxy = await self._pool.acquire()
+        self._connection = proxy._con
+        try:
+            await super().__aenter__()
+        except BaseException:
+            self._proxy = None
+            await self._pool.release(proxy)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._holders[id(self._connection)][self._key] > 1:
+            await super().__aexit__(*exc_info)
+            return
+        proxy, self._proxy = self._proxy, None
+        try:
+            await super().__aexit__(*exc_info)
+        finally:
+            await self._pool.release(proxy)
 
 
 class _DjangoContractFloorLock:

@@ -32,10 +32,7 @@ PSYCOPG_TIMEOUT_LOCK = (
     "SELECT pg_advisory_lock(%s) FROM (SELECT pg_catalog.set_config('lock_timeout', %s, true)) "
     "AS timeout"
 )
-ASYNCPG_TIMEOUT_LOCK = (
-    "SELECT pg_advisory_lock($1) FROM (SELECT pg_catalog.set_config('lock_timeout', $2, true)) "
-    "AS timeout"
-)
+ASYNCPG_TIMEOUT_LOCK = floors.ASYNCPG_TIMEOUT_LOCK_SQL
 RAW_KEY_BASE = 7_247_000
 
 
@@ -171,6 +168,10 @@ def asyncpg_cases(url: URL, stack: ExitStack) -> list[Case]:
     stack.callback(lambda: loop.run_until_complete(ours_connection.close()))
     pool = loop.run_until_complete(asyncpg.create_pool(dsn, min_size=1, max_size=1))
     stack.callback(lambda: loop.run_until_complete(pool.close()))
+    floor_connection = loop.run_until_complete(asyncpg.connect(dsn))
+    stack.callback(lambda: loop.run_until_complete(floor_connection.close()))
+    floor_pool = loop.run_until_complete(asyncpg.create_pool(dsn, min_size=1, max_size=1))
+    stack.callback(lambda: loop.run_until_complete(floor_pool.close()))
     timeout_ms = str(TIMEOUT_SECONDS * 1000)
     key = derive_key("raw.asyncpg").ints[0]
     pool_key = derive_key("raw.asyncpg_pool").ints[0]
@@ -198,6 +199,18 @@ def asyncpg_cases(url: URL, stack: ExitStack) -> list[Case]:
 
     async def ours_pooled() -> None:
         async with advisory_lock(pool, "ours.asyncpg_pool.timeout", timeout=5):
+            pass
+
+    async def floor_timeout() -> None:
+        async with floors.AsyncpgContractFloorLock(
+            floor_connection, "floor.asyncpg.contract", TIMEOUT_SECONDS
+        ):
+            pass
+
+    async def floor_pooled() -> None:
+        async with floors.AsyncpgPoolContractFloorLock(
+            floor_pool, "floor.asyncpg_pool.contract", TIMEOUT_SECONDS
+        ):
             pass
 
     return [
@@ -232,6 +245,16 @@ def asyncpg_cases(url: URL, stack: ExitStack) -> list[Case]:
             sockets=_asyncpg_socket(ours_connection),
         ),
         Case(
+            "floor.asyncpg.contract",
+            "floor",
+            "by hand on an asyncpg connection: the contract floor's bookkeeping (as "
+            "floor.psycopg.contract, holders kept by the connection's id) around the twin's "
+            "two statements",
+            _timed_async(loop, floor_timeout),
+            twin="raw.asyncpg.timeout_lock+unlock",
+            sockets=_asyncpg_socket(floor_connection),
+        ),
+        Case(
             "raw.asyncpg_pool.timeout_lock+unlock",
             "reference",
             "asyncpg pool.acquire(), the timeout lock statement + unlock, release (the "
@@ -243,6 +266,14 @@ def asyncpg_cases(url: URL, stack: ExitStack) -> list[Case]:
             "raw-driver",
             "async with advisory_lock(asyncpg_pool, timeout=5): acquire + lock + unlock + release",
             _timed_async(loop, ours_pooled),
+            twin="raw.asyncpg_pool.timeout_lock+unlock",
+        ),
+        Case(
+            "floor.asyncpg_pool.contract",
+            "floor",
+            "by hand on an asyncpg pool: a connection acquired per lock object, "
+            "floor.asyncpg.contract's bookkeeping on it, released after the unlock",
+            _timed_async(loop, floor_pooled),
             twin="raw.asyncpg_pool.timeout_lock+unlock",
         ),
     ]

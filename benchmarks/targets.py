@@ -91,8 +91,8 @@ TARGETS = [
             "psycopg `Connection`": (None, "floor.psycopg.contract", "ours.psycopg.timeout"),
             # Each against its own raw twin (the same driver or pool by hand).
             "`psycopg_pool`": (None, None, "ours.psycopg_pool.timeout"),
-            "asyncpg `Connection`": (None, None, "ours.asyncpg.timeout"),
-            "asyncpg `Pool`": (None, None, "ours.asyncpg_pool.timeout"),
+            "asyncpg `Connection`": (None, "floor.asyncpg.contract", "ours.asyncpg.timeout"),
+            "asyncpg `Pool`": (None, "floor.asyncpg_pool.contract", "ours.asyncpg_pool.timeout"),
         },
         _cpu,
     ),
