@@ -47,6 +47,14 @@ CLIENTS = {
     "ours.psycopg.timeout": (
         f"advisory_lock(psycopg_connection, name, timeout={WAIT_SECONDS}) (raw driver bind)"
     ),
+    "ours.psycopg_pool.timeout": (
+        f"advisory_lock(psycopg_pool, name, timeout={WAIT_SECONDS}) (raw driver bind, a pool "
+        "of one)"
+    ),
+    "raw.psycopg_pool.timeout": (
+        "psycopg_pool by hand (the twin of ours.psycopg_pool.timeout): pool.connection(), "
+        "the timeout lock statement + unlock in autocommit, checkin"
+    ),
     "ours.django.timeout": f"advisory_locks_django.advisory_lock(name, timeout={WAIT_SECONDS})",
     "pglock.timeout": f"django-pglock: pglock.advisory(name, timeout={WAIT_SECONDS})",
     "pals.timeout": f"pals: Locker.lock(name, acquire_timeout={WAIT_SECONDS * 1000})",
@@ -142,6 +150,8 @@ def make_client(
         return Client(take_raw, _ids(key))
     if kind == "raw.client_polling":
         return _polling_client(url, stack, key, on_busy)
+    if kind.endswith("psycopg_pool.timeout"):
+        return _psycopg_pool_client(kind, name, key, url, stack)
     if kind.startswith("floor."):
         return Client(_floor_take(kind, name, key, url, stack), _ids(key))
     if kind.startswith("ours.") and "django" not in kind:
@@ -205,6 +215,44 @@ def make_client(
 
         return Client(take_pals, _ids(pals_key(name)))
     raise ValueError(f"unknown client {kind!r}; one of {sorted(CLIENTS)}")
+
+
+def _psycopg_pool_client(kind: str, name: str, key: int, url: URL, stack: ExitStack) -> Client:
+    """A psycopg_pool of one connection: ours, or its twin by hand (the twin
+    ``benchmarks.raw_drivers`` times: a checkout, the connection switched to autocommit
+    for the two statements and back, a checkin)."""
+    from psycopg_pool import ConnectionPool
+
+    conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    pool: ConnectionPool[Any] = ConnectionPool(conninfo, min_size=1, max_size=1, open=True)
+    stack.callback(pool.close)
+    if kind.startswith("ours."):
+
+        def take_ours() -> Callable[[], None]:
+            lock = advisory_lock(pool, name, timeout=WAIT_SECONDS)
+            if not lock.acquire():
+                raise RuntimeError(f"{name}: not granted within {WAIT_SECONDS} s")
+            release: Callable[[], None] = lock.release
+            return release
+
+        return Client(take_ours, _ids(key))
+    params = (key, str(WAIT_SECONDS * 1000))
+
+    def take_raw() -> Callable[[], None]:
+        checkout = pool.connection()
+        connection = checkout.__enter__()
+        connection.autocommit = True
+        cursor = connection.cursor()
+        cursor.execute(TIMEOUT_LOCK_SQL, params)
+
+        def release_raw() -> None:
+            cursor.execute(UNLOCK_SQL, (key,))
+            connection.autocommit = False
+            checkout.__exit__(None, None, None)
+
+        return release_raw
+
+    return Client(take_raw, _ids(key))
 
 
 def _contract_bind(kind: str, url: URL, stack: ExitStack) -> Any:

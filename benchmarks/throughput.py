@@ -50,6 +50,10 @@ THROUGHPUT_KINDS = [
     "ours.django.timeout",
     "floor.psycopg.contract",
     "ours.psycopg.timeout",
+    # The pool bind is judged against its own twin (the pool by hand), each measured
+    # against the reference like every case.
+    "raw.psycopg_pool.timeout",
+    "ours.psycopg_pool.timeout",
     "pglock.timeout",
     "pals.timeout",
 ]

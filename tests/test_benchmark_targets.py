@@ -125,6 +125,25 @@ def test_the_raw_driver_throughput_allows_the_twin_a_tenth_more() -> None:
     assert row.verdict == "open"
 
 
+def test_the_pool_throughput_is_judged_against_its_own_twin_round_by_round() -> None:
+    # Both measured against the run's reference in each round: a round's ratio to the
+    # pool twin is the quotient of the two.
+    report = _report(
+        uncontended=[],
+        handoff=[],
+        throughput=[
+            _throughput_row("raw.psycopg_pool.timeout", [0.5, 0.6, 0.5]),
+            _throughput_row("ours.psycopg_pool.timeout", [0.45, 0.6, 0.5]),
+        ],
+    )
+
+    (row,) = judge(report)
+
+    assert row.bind == "`psycopg_pool`"
+    assert row.ours == (1.0, [0.9, 1.0, 1.0])
+    assert row.verdict == "met, undecided"  # the first round's 0.9 is under 0.909
+
+
 def test_a_verdict_is_undecided_when_its_rounds_disagree_with_its_own_figure() -> None:
     # A handoff's figure is pooled over all trials, not a median of its rounds: here it
     # meets 1.1x while every round misses it.
