@@ -176,7 +176,9 @@ class DjangoConnectionLocks(ConnectionState):
     borrows: dict[bool, DjangoBorrow] = field(default_factory=dict)
 
     def insert(self, holding: Holding) -> Holding:
-        super().insert(holding)
+        # The base class named rather than super(): a granted waiter runs this before its
+        # acquire returns.
+        ConnectionState.insert(self, holding)
         if holding.transaction:
             self._watch_transaction(holding)
         elif _request.active:
@@ -188,7 +190,7 @@ class DjangoConnectionLocks(ConnectionState):
         return self.ended.get(holding)
 
     def forget(self, holding: Holding) -> None:
-        super().forget(holding)
+        ConnectionState.forget(self, holding)
         if self.commit_hooks:
             self.commit_hooks.pop(holding, None)
 

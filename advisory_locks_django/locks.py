@@ -218,8 +218,9 @@ class DjangoAdvisoryLock(AdvisoryLock):
             self._owner = None
             self._borrowed = self._holding = None
             return
-        # Per holder (re-entry adds one): the atomic() block its acquire opened
-        # (transaction=True outside one), or None.
+        # Per holder of a transaction lock (re-entry adds one): the atomic() block its
+        # acquire opened (outside one), or None. A session lock opens none, and keeps
+        # it empty.
         self._atomics = []
         self._atomic_on = None
         # Bad names and options fail here, before any SQL.
@@ -246,8 +247,17 @@ class DjangoAdvisoryLock(AdvisoryLock):
         atomics = self._atomics
         if atomics is None:
             raise _decorator_only()
+        if not self.options.transaction:
+            # A session lock opens no atomic() block, so its holders need no list of
+            # blocks (``_atomics`` stays empty): the core's acquire, with Django's
+            # reading of a failed connection.
+            try:
+                return AdvisoryLock.acquire(self)
+            except DatabaseError as error:
+                self._raise_if_connection_gone(error)
+                raise
         atomic = None
-        if self.options.transaction and not (wrapper := connections[self.using]).in_atomic_block:
+        if not (wrapper := connections[self.using]).in_atomic_block:
             if not wrapper.get_autocommit():
                 raise UnsupportedFeature(
                     "transaction=True needs atomic(): manual transaction management "
@@ -259,12 +269,7 @@ class DjangoAdvisoryLock(AdvisoryLock):
             try:
                 granted = AdvisoryLock.acquire(self)
             except DatabaseError as error:
-                if self._connection_gone(error):
-                    raise AdvisoryLockError(
-                        f"could not take advisory lock {self.name!r}: the connection to "
-                        f"database {self.using!r} failed ({error}); Django opens a new one "
-                        "at its next use"
-                    ) from error
+                self._raise_if_connection_gone(error)
                 raise
         except BaseException as error:
             if atomic is not None:
@@ -282,7 +287,37 @@ class DjangoAdvisoryLock(AdvisoryLock):
 
     def release(self) -> None:
         """Give the lock back; a transaction lock stays until its transaction ends."""
-        self._release(None, None, None)
+        if self.options.transaction:
+            self._release(None, None, None)
+            return
+        # A session lock opened no atomic() block: the core's release, with Django's
+        # reading of a lost lock or a failed connection (written here rather than called,
+        # since a waiter's handoff waits for the unlock it sends).
+        if self._atomics is None:
+            raise _decorator_only()
+        borrowed, holding = self._borrowed, self._holding
+        try:
+            AdvisoryLock.release(self)  # raises the core's "not held" error when not held
+        except LockLost as error:
+            assert borrowed is not None
+            assert holding is not None
+            locks: DjangoConnectionLocks = borrowed.state  # type: ignore[assignment]
+            locks.released(holding, "lost")
+            raise self._lost(locks, holding, error) from error.__cause__
+        except DatabaseError as error:
+            assert borrowed is not None
+            assert holding is not None
+            if not self._connection_gone(error):
+                raise
+            locks = borrowed.state  # type: ignore[assignment]
+            locks.released(holding, "lost")
+            raise self._lost_connection(error) from error
+        # An unlock the server ran was forgotten and reported by the lock already; only a
+        # request's list of its locks may still name it.
+        if holding is not None and not holding.active:
+            locks = borrowed.state  # type: ignore[union-attr, assignment]
+            if locks.request_holdings and holding not in locks.pending_release:
+                locks.released(holding, "unlock")
 
     def ensure_held(self) -> None:
         """Ask the database whether it still holds this lock; raise LockLost if not.
@@ -310,7 +345,7 @@ class DjangoAdvisoryLock(AdvisoryLock):
     def _held_on(self) -> tuple[DjangoConnectionLocks, Holding] | None:
         """The registry and holding this object's holders count on, while it holds them."""
         borrowed, holding = self._borrowed, self._holding
-        if not self._atomics or borrowed is None or holding is None:
+        if not self._count or borrowed is None or holding is None:
             return None
         return borrowed.state, holding  # type: ignore[return-value]
 
@@ -323,6 +358,9 @@ class DjangoAdvisoryLock(AdvisoryLock):
         atomics = self._atomics
         if atomics is None:
             raise _decorator_only()
+        if not self.options.transaction:
+            self.release()
+            return
         borrowed, holding = self._borrowed, self._holding
         if not atomics or borrowed is None or holding is None:
             AdvisoryLock.release(self)  # raises the core's "not held" error
@@ -385,6 +423,15 @@ class DjangoAdvisoryLock(AdvisoryLock):
             return error
         return LockLost(f"advisory lock {self.name!r} was released: {reason}", name=self.name)
 
+    def _raise_if_connection_gone(self, error: DatabaseError) -> None:
+        """An acquire failed with ``error``: when the connection is gone, say so."""
+        if self._connection_gone(error):
+            raise AdvisoryLockError(
+                f"could not take advisory lock {self.name!r}: the connection to "
+                f"database {self.using!r} failed ({error}); Django opens a new one "
+                "at its next use"
+            ) from error
+
     def _lost_connection(self, error: DatabaseError) -> LockLost:
         return LockLost(
             f"advisory lock {self.name!r} was lost: the connection to database "
@@ -433,7 +480,10 @@ class DjangoAdvisoryLock(AdvisoryLock):
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._release(exc_type, exc, traceback)
+        if self.options.transaction:
+            self._release(exc_type, exc, traceback)
+        else:
+            self.release()
 
     # -- async ----------------------------------------------------------------------------
 
