@@ -100,6 +100,12 @@ def lock_settings() -> LockSettings:
     return _cached
 
 
+def app_checked() -> bool:
+    """Whether ``lock_settings()`` checked that the app is installed (it waits until
+    Django's apps are loaded); until then each call checks."""
+    return _app_checked
+
+
 def _check_app_installed() -> None:
     global _app_checked
     if not apps.ready:

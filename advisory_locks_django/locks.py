@@ -19,12 +19,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 from asgiref.sync import sync_to_async
+from django.core.signals import setting_changed
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from django.db import transaction as django_transaction
 
 from advisory_locks._core.advisory import AdvisoryLock
 from advisory_locks._core.connection import AbandonableWait, Holding
 from advisory_locks._core.contract import (
+    LockOptions,
     Timeout,
     lock_options,
 )
@@ -40,6 +42,7 @@ from advisory_locks_django import signals
 from advisory_locks_django._binding import (
     DjangoConnectionLocks,
     DjangoExecutor,
+    DjangoSite,
     connection_locks,
     open_other_connection,
     own_connection,
@@ -47,7 +50,7 @@ from advisory_locks_django._binding import (
     site_for_alias,
 )
 from advisory_locks_django._compat import connection_usable
-from advisory_locks_django.conf import lock_settings
+from advisory_locks_django.conf import SETTING, LockSettings, app_checked, lock_settings
 
 if TYPE_CHECKING:
     from django.db.backends.base.base import BaseDatabaseWrapper
@@ -190,23 +193,29 @@ class DjangoAdvisoryLock(AdvisoryLock):
         key_scheme: KeyScheme | None,
         key_prefix: str | int | None,
     ) -> None:
-        defaults = lock_settings()
-        if not isinstance(using, str):
-            raise TypeError(f"using must be a database alias, not {type(using).__name__}")
-        self.using = using
-        options = lock_options(
-            defaults.timeout if timeout is DEFAULT else timeout,
-            shared,
-            defaults.transaction if transaction is DEFAULT else transaction,
-            timeout_first=True,
-        )
+        try:
+            # Exact types in the key: True and 1 are equal keys, and only one is valid.
+            prepared = _prepared[
+                using,
+                timeout,
+                timeout.__class__,
+                shared,
+                shared.__class__,
+                transaction,
+                transaction.__class__,
+            ]
+        except (KeyError, TypeError):  # TypeError: unhashable, refused by _prepare
+            prepared = None
+        if prepared is None:
+            prepared = _prepare(using, timeout, shared, transaction, skip_if_locked)
+        defaults, options, site = prepared
         if not isinstance(skip_if_locked, bool):
             raise TypeError("skip_if_locked must be True or False")
+        self.using = using
         self.skip_if_locked = skip_if_locked
         self.key_scheme = scheme = defaults.key_scheme if key_scheme is None else key_scheme
         self.key_prefix = prefix = defaults.key_prefix if key_prefix is None else key_prefix
         self._name = name
-        site = site_for_alias(using)
         if callable(name):
             # A decorator's, with no key of its own (key_info stays unset): each call
             # makes its own lock from the call's arguments.
@@ -670,6 +679,59 @@ class DjangoAdvisoryLock(AdvisoryLock):
 
 
 _new = object.__new__
+
+# What a lock's arguments other than its name and key options decide -- the settings it
+# defaults from, its LockOptions and its alias's site -- for each combination already
+# seen, since an application makes its locks with a handful of them. Found under the
+# settings of the moment: emptied when ADVISORY_LOCKS or DATABASES change (as the
+# settings' own cache and the sites are).
+_prepared: dict[tuple[object, ...], tuple[LockSettings, LockOptions, DjangoSite]] = {}
+_PREPARED_LIMIT: Final = 256
+
+
+def _prepare(
+    using: object,
+    timeout: Timeout | _Default,
+    shared: bool,
+    transaction: bool | _Default,
+    skip_if_locked: bool,
+) -> tuple[LockSettings, LockOptions, DjangoSite]:
+    """Validate a lock's arguments (but its name and key options) and find what they
+    decide; remember it for the next lock made with the same ones."""
+    defaults = lock_settings()
+    if not isinstance(using, str):
+        raise TypeError(f"using must be a database alias, not {type(using).__name__}")
+    options = lock_options(
+        defaults.timeout if timeout is DEFAULT else timeout,
+        shared,
+        defaults.transaction if transaction is DEFAULT else transaction,
+        timeout_first=True,
+    )
+    if not isinstance(skip_if_locked, bool):
+        raise TypeError("skip_if_locked must be True or False")
+    prepared = defaults, options, site_for_alias(using)
+    # Not before the app's installation was checked (apps still loading), so that the
+    # next lock's lock_settings() checks it.
+    if app_checked() and len(_prepared) < _PREPARED_LIMIT:
+        # (Arguments that passed are hashable: a str alias, bools, None or a number.)
+        _prepared[
+            using,
+            timeout,
+            timeout.__class__,
+            shared,
+            shared.__class__,
+            transaction,
+            transaction.__class__,
+        ] = prepared
+    return prepared
+
+
+def _settings_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting in (SETTING, "DATABASES"):
+        _prepared.clear()
+
+
+setting_changed.connect(_settings_changed, dispatch_uid="advisory_locks_django.locks")
 
 
 def _decorator_only() -> TypeError:
