@@ -61,6 +61,7 @@ from advisory_locks._core.executors import (
 from advisory_locks._core.steps import Executor, on, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
 from advisory_locks.errors import UnsupportedFeature
+from advisory_locks_django import conf
 from advisory_locks_django._compat import (
     autocommit,
     django_errors,
@@ -174,6 +175,9 @@ class DjangoConnectionLocks(ConnectionState):
     # The borrow every lock on this connection gets, outside and inside a transaction
     # (they depend on nothing else, so they are made once).
     borrows: dict[bool, DjangoBorrow] = field(default_factory=dict)
+    # The one outside a transaction, once lent on an alias that declares no pooler: the
+    # borrow a session lock's fast path returns (DjangoSite.borrow).
+    session_borrow: DjangoBorrow | None = None
 
     def insert(self, holding: Holding) -> Holding:
         # The base class named rather than super(): a granted waiter runs this before its
@@ -486,34 +490,36 @@ class DjangoSite:
 
     def borrow(self, *, transaction: bool) -> DjangoBorrow:
         """The thread's connection to the alias, checked as a lock on it needs."""
-        alias = self.alias
-        wrapper = connections[alias]
+        wrapper = connections[self.alias]
         if not transaction:
             registry = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
             # The usual session lock: on the DB-API connection this library lent before,
             # in this process, in autocommit (so outside atomic()), with nothing for the
             # full path below to refuse, reconcile, check or finish first. It asks the
-            # full path's questions of attributes, without the calls that ask them there.
+            # full path's questions of attributes, without the calls that ask them there;
+            # the borrow remembers the settings under which the alias declared no pooler
+            # (ADVISORY_LOCKS["POOLERS"]), which are the settings of the moment until
+            # they change.
             if (
-                isinstance(registry, DjangoConnectionLocks)
+                registry is not None  # only this module sets it: a DjangoConnectionLocks
                 and registry.dbapi_connection is wrapper.connection
+                and (borrow := registry.session_borrow) is not None
+                and borrow.without_pooler is conf._cached
                 and registry.behind_proxy is False
                 and not registry.commit_hooks
                 and not registry.pending_release
                 and not registry.inherited
                 and wrapper.autocommit
                 and not wrapper.needs_rollback
-                and asyncio._get_running_loop() is None  # Django refuses queries there
-                and alias not in lock_settings().poolers
+                and _running_loop() is None  # Django refuses queries there
             ):
-                borrow = registry.borrows.get(False)
-                if borrow is not None:
-                    return borrow
+                return borrow  # type: ignore[no-any-return]
         return self._borrow(wrapper, transaction)
 
     def _borrow(self, wrapper: BaseDatabaseWrapper, transaction: bool) -> DjangoBorrow:
         alias = self.alias
-        pooler = lock_settings().poolers.get(alias)
+        settings = lock_settings()
+        pooler = settings.poolers.get(alias)
         if not transaction and pooler in SESSION_UNSAFE_POOLERS:
             raise UnsupportedFeature(
                 f"database {alias!r} is behind a {pooler} pooler, where a session "
@@ -556,6 +562,9 @@ class DjangoSite:
             )
         if registry.pending_release and not in_transaction:
             release_pending(registry, executor)
+        if not in_transaction and pooler is None:
+            borrow.without_pooler = settings
+            registry.session_borrow = borrow
         return borrow
 
     def locks(self) -> DjangoConnectionLocks:
@@ -575,6 +584,11 @@ class DjangoSite:
         return any(held.ints == key.ints for held in held_keys(self.alias))
 
 
+_NOT_FOUND: Final = object()
+# Read by every session lock's borrow, without the module attribute lookup.
+_running_loop = asyncio._get_running_loop
+
+
 class DjangoBorrow:
     """The Django connection a lock runs on; never closed by the lock unless broken.
 
@@ -582,7 +596,15 @@ class DjangoBorrow:
     checks the connection for each lock before it lends it.
     """
 
-    __slots__ = ("dbapi_connection", "executor", "in_transaction", "registry", "state", "wrapper")
+    __slots__ = (
+        "dbapi_connection",
+        "executor",
+        "in_transaction",
+        "registry",
+        "state",
+        "without_pooler",
+        "wrapper",
+    )
 
     executor: DjangoExecutor
     state: DjangoConnectionLocks
@@ -599,6 +621,9 @@ class DjangoBorrow:
         self.dbapi_connection = registry.dbapi_connection
         self.registry = self.state = registry
         self.in_transaction = in_transaction
+        # The settings under which the site found that the alias declares no pooler (a
+        # value that is never conf's cached settings until then).
+        self.without_pooler: object = _NOT_FOUND
         if registry.executor is None:
             registry.executor = DjangoExecutor(
                 wrapper, registry.dbapi_connection, registry.driver_state

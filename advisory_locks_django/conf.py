@@ -63,6 +63,8 @@ class Problem:
     hint: str | None = None
 
 
+# The settings of the moment, once read: DjangoSite.borrow's fast path compares what it
+# checked a connection under with this, rather than call lock_settings().
 _cached: LockSettings | None = None
 _app_checked = False
 
