@@ -302,11 +302,13 @@ class DjangoAdvisoryLock(AdvisoryLock):
         # A session lock opened no atomic() block: the core's release, with Django's
         # reading of a lost lock or a failed connection (written here rather than called,
         # since a waiter's handoff waits for the unlock it sends).
-        if self._atomics is None:
-            raise _decorator_only()
         borrowed, holding = self._borrowed, self._holding
         try:
             AdvisoryLock.release(self)  # raises the core's "not held" error when not held
+        except LockUsageError:
+            if self._atomics is None:  # a decorator's lock, never held
+                raise _decorator_only() from None
+            raise
         except LockLost as error:
             assert borrowed is not None
             assert holding is not None
