@@ -203,14 +203,14 @@ class DjangoAdvisoryLock(AdvisoryLock):
                 shared.__class__,
                 transaction,
                 transaction.__class__,
+                skip_if_locked,
+                skip_if_locked.__class__,
             ]
         except (KeyError, TypeError):  # TypeError: unhashable, refused by _prepare
             prepared = None
         if prepared is None:
             prepared = _prepare(using, timeout, shared, transaction, skip_if_locked)
         defaults, options, site = prepared
-        if not isinstance(skip_if_locked, bool):
-            raise TypeError("skip_if_locked must be True or False")
         self.using = using
         self.skip_if_locked = skip_if_locked
         self.key_scheme = scheme = defaults.key_scheme if key_scheme is None else key_scheme
@@ -682,11 +682,11 @@ class DjangoAdvisoryLock(AdvisoryLock):
 
 _new = object.__new__
 
-# What a lock's arguments other than its name and key options decide -- the settings it
-# defaults from, its LockOptions and its alias's site -- for each combination already
-# seen, since an application makes its locks with a handful of them. Found under the
-# settings of the moment: emptied when ADVISORY_LOCKS or DATABASES change (as the
-# settings' own cache and the sites are).
+# What a lock's arguments other than its name and key options decide -- that they are
+# valid, the settings it defaults from, its LockOptions and its alias's site -- for each
+# combination already seen, since an application makes its locks with a handful of
+# them. Found under the settings of the moment: emptied when ADVISORY_LOCKS or DATABASES
+# change (as the settings' own cache and the sites are).
 _prepared: dict[tuple[object, ...], tuple[LockSettings, LockOptions, DjangoSite]] = {}
 _PREPARED_LIMIT: Final = 256
 
@@ -724,6 +724,8 @@ def _prepare(
             shared.__class__,
             transaction,
             transaction.__class__,
+            skip_if_locked,
+            skip_if_locked.__class__,
         ] = prepared
     return prepared
 
