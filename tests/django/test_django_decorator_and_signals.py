@@ -166,6 +166,18 @@ def test_the_default_timeout_comes_from_settings() -> None:
     assert lock.timeout == 0
 
 
+def test_a_lock_made_as_one_before_follows_the_settings_of_the_moment() -> None:
+    # A lock's arguments are looked at once per combination: a change of the setting
+    # must still reach the next lock made with the same ones, and its end too.
+    name = unique_name()
+    assert advisory_lock(name).timeout is None
+    with override_settings(ADVISORY_LOCKS={"TIMEOUT": 0, "TRANSACTION": True}):
+        lock = advisory_lock(name)
+        assert (lock.timeout, lock.transaction) == (0, True)
+    lock = advisory_lock(name)
+    assert (lock.timeout, lock.transaction) == (None, False)
+
+
 def test_an_explicit_option_beats_the_setting() -> None:
     with override_settings(ADVISORY_LOCKS={"TIMEOUT": 0, "TRANSACTION": True}):
         lock = advisory_lock("x", timeout=None, transaction=False)

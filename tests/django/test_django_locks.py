@@ -128,6 +128,11 @@ def test_options_valid_once_do_not_vouch_for_lookalikes_of_another_type() -> Non
         advisory_lock("x", transaction=0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="timeout"):
         advisory_lock("x", timeout=[1])  # type: ignore[arg-type]
+    assert advisory_lock("x", skip_if_locked=False).skip_if_locked is False
+    with pytest.raises(TypeError, match="skip_if_locked"):
+        advisory_lock("x", skip_if_locked=0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="alias"):
+        advisory_lock("x", using=["default"])  # type: ignore[arg-type]
 
 
 def test_the_class_made_directly_is_the_lock_advisory_lock_returns(admin: Admin) -> None:
