@@ -193,23 +193,22 @@ class DjangoAdvisoryLock(AdvisoryLock):
         key_scheme: KeyScheme | None,
         key_prefix: str | int | None,
     ) -> None:
+        # Exact types in the key: True and 1 are equal keys, and only one is valid.
+        seen = (
+            using,
+            timeout,
+            timeout.__class__,
+            shared,
+            shared.__class__,
+            transaction,
+            transaction.__class__,
+            skip_if_locked,
+            skip_if_locked.__class__,
+        )
         try:
-            # Exact types in the key: True and 1 are equal keys, and only one is valid.
-            prepared = _prepared[
-                using,
-                timeout,
-                timeout.__class__,
-                shared,
-                shared.__class__,
-                transaction,
-                transaction.__class__,
-                skip_if_locked,
-                skip_if_locked.__class__,
-            ]
+            prepared = _prepared[seen]
         except (KeyError, TypeError):  # TypeError: unhashable, refused by _prepare
-            prepared = None
-        if prepared is None:
-            prepared = _prepare(using, timeout, shared, transaction, skip_if_locked)
+            prepared = _prepare(seen, using, timeout, shared, transaction, skip_if_locked)
         defaults, options, site = prepared
         self.using = using
         self.skip_if_locked = skip_if_locked
@@ -692,6 +691,7 @@ _PREPARED_LIMIT: Final = 256
 
 
 def _prepare(
+    seen: tuple[object, ...],
     using: object,
     timeout: Timeout | _Default,
     shared: bool,
@@ -699,7 +699,8 @@ def _prepare(
     skip_if_locked: bool,
 ) -> tuple[LockSettings, LockOptions, DjangoSite]:
     """Validate a lock's arguments (but its name and key options) and find what they
-    decide; remember it for the next lock made with the same ones."""
+    decide; remember it under ``seen`` (the arguments with their types) for the next
+    lock made with the same ones."""
     defaults = lock_settings()
     if not isinstance(using, str):
         raise TypeError(f"using must be a database alias, not {type(using).__name__}")
@@ -716,17 +717,7 @@ def _prepare(
     # next lock's lock_settings() checks it.
     if app_checked() and len(_prepared) < _PREPARED_LIMIT:
         # (Arguments that passed are hashable: a str alias, bools, None or a number.)
-        _prepared[
-            using,
-            timeout,
-            timeout.__class__,
-            shared,
-            shared.__class__,
-            transaction,
-            transaction.__class__,
-            skip_if_locked,
-            skip_if_locked.__class__,
-        ] = prepared
+        _prepared[seen] = prepared
     return prepared
 
 
