@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.rows import TupleRow
-from sqlalchemy import Connection, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
@@ -454,6 +454,18 @@ def _transaction_state(admin: Admin, pid: int) -> str:
     return str(row[0])
 
 
+def _next_checkout_is_as_configured(engine: Engine, pid: int) -> None:
+    """The application's next checkout of the lock's connection (backend ``pid``) finds
+    autocommit off, as configured, and begins transactions as before."""
+    with engine.connect() as connection:
+        dbapi: Any = connection.connection.dbapi_connection
+        assert dbapi.info.backend_pid == pid
+        assert dbapi.autocommit is False
+        connection.exec_driver_sql("SELECT 1")
+        assert dbapi.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+        connection.rollback()
+
+
 _libpq_value = LibpqStatements.value
 
 
@@ -484,13 +496,7 @@ def test_an_engine_locks_checkout_runs_outside_a_transaction_and_keeps_its_mode(
                 (pid,) = holder_pids(pg_admin, name)
                 assert _transaction_state(pg_admin, pid) == "idle"
             assert holder_pids(pg_admin, name) == []
-            with engine.connect() as connection:
-                dbapi: Any = connection.connection.dbapi_connection
-                assert dbapi.info.backend_pid == pid
-                assert dbapi.autocommit is False
-                connection.exec_driver_sql("SELECT 1")
-                assert dbapi.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
-                connection.rollback()
+            _next_checkout_is_as_configured(engine, pid)
     finally:
         engine.dispose()
 
@@ -540,12 +546,6 @@ def test_a_sessions_lock_connection_keeps_its_mode_and_joins_the_sessions_transa
                 assert holder_pids(pg_admin, name) == []
                 assert _transaction_state(pg_admin, pid) == "idle in transaction"
                 session.rollback()
-            with engine.connect() as connection:
-                dbapi = connection.connection.dbapi_connection
-                assert dbapi.info.backend_pid == pid
-                assert dbapi.autocommit is False
-                connection.exec_driver_sql("SELECT 1")
-                assert dbapi.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
-                connection.rollback()
+            _next_checkout_is_as_configured(engine, pid)
     finally:
         engine.dispose()
