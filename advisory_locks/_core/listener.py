@@ -44,8 +44,13 @@ def receive_notifications(connection: Any, timeout: float) -> list[str] | None:
     None when the driver cannot receive notifications."""
     module = type(connection).__module__
     if from_psycopg3(type(connection)):
-        # stop_after: return with the first notification, not at the end of the timeout.
-        return [n.payload for n in connection.notifies(timeout=timeout, stop_after=1)]
+        try:
+            # stop_after: return with the first notification, not at the end of the
+            # timeout.
+            notifies = connection.notifies(timeout=timeout, stop_after=1)
+        except TypeError:  # psycopg 3.1: notifies() takes neither (they came with 3.2)
+            return _psycopg31_notifications(connection, timeout)
+        return [n.payload for n in notifies]
     if module.startswith("psycopg2"):
         if not connection.notifies:
             select.select([connection], [], [], timeout)
@@ -54,6 +59,21 @@ def receive_notifications(connection: Any, timeout: float) -> list[str] | None:
         connection.notifies.clear()
         return payloads
     return None
+
+
+def _psycopg31_notifications(connection: Any, timeout: float) -> list[str]:
+    """``receive_notifications`` on psycopg 3.1, whose ``notifies()`` waits with no
+    timeout: wait for the connection's socket to be readable, then read what libpq
+    received (the listener's connection runs nothing else)."""
+    select.select([connection.fileno()], [], [], timeout)
+    with connection.lock:
+        pgconn = connection.pgconn
+        pgconn.consume_input()
+        encoding = connection.info.encoding
+        payloads = []
+        while (notify := pgconn.notifies()) is not None:
+            payloads.append(notify.extra.decode(encoding))
+        return payloads
 
 
 # SQLAlchemy driver names whose connections receive notifications here.
