@@ -167,15 +167,7 @@ def make_client(
             stack.callback(bind.close)
         elif kind.startswith("ours.psycopg"):
             bind = raw_connection(url, stack)
-
-        def take_ours() -> Callable[[], None]:
-            lock = advisory_lock(bind, name, timeout=timeout)
-            if not lock.acquire():
-                raise RuntimeError(f"{name}: not granted within {timeout} s")
-            release: Callable[[], None] = lock.release
-            return release
-
-        return Client(take_ours, _ids(key))
+        return Client(_take_ours(bind, name, timeout), _ids(key))
     if kind == "ours.django.timeout":
         setup_django(url)
         from advisory_locks_django import advisory_lock as django_lock
@@ -217,6 +209,19 @@ def make_client(
     raise ValueError(f"unknown client {kind!r}; one of {sorted(CLIENTS)}")
 
 
+def _take_ours(bind: Any, name: str, timeout: float | None) -> Take:
+    """One of our locks on ``bind``, taken and handed back by the client's loop."""
+
+    def take_ours() -> Callable[[], None]:
+        lock = advisory_lock(bind, name, timeout=timeout)
+        if not lock.acquire():
+            raise RuntimeError(f"{name}: not granted within {timeout} s")
+        release: Callable[[], None] = lock.release
+        return release
+
+    return take_ours
+
+
 def _psycopg_pool_client(kind: str, name: str, key: int, url: URL, stack: ExitStack) -> Client:
     """A psycopg_pool of one connection: ours, or its twin by hand (the twin
     ``benchmarks.raw_drivers`` times: a checkout, the connection switched to autocommit
@@ -227,15 +232,7 @@ def _psycopg_pool_client(kind: str, name: str, key: int, url: URL, stack: ExitSt
     pool: ConnectionPool[Any] = ConnectionPool(conninfo, min_size=1, max_size=1, open=True)
     stack.callback(pool.close)
     if kind.startswith("ours."):
-
-        def take_ours() -> Callable[[], None]:
-            lock = advisory_lock(pool, name, timeout=WAIT_SECONDS)
-            if not lock.acquire():
-                raise RuntimeError(f"{name}: not granted within {WAIT_SECONDS} s")
-            release: Callable[[], None] = lock.release
-            return release
-
-        return Client(take_ours, _ids(key))
+        return Client(_take_ours(pool, name, WAIT_SECONDS), _ids(key))
     params = (key, str(WAIT_SECONDS * 1000))
 
     def take_raw() -> Callable[[], None]:
