@@ -172,12 +172,12 @@ class DjangoConnectionLocks(ConnectionState):
     request_holdings: list[Holding] = field(default_factory=list)
     # Locks this library let go of without their holder's release, and why.
     ended: dict[Holding, str] = field(default_factory=dict)
-    # The borrow every lock on this connection gets, outside and inside a transaction
-    # (they depend on nothing else, so they are made once).
-    borrows: dict[bool, DjangoBorrow] = field(default_factory=dict)
-    # The one outside a transaction, once lent on an alias that declares no pooler: the
-    # borrow a session lock's fast path returns (DjangoSite.borrow).
-    session_borrow: DjangoBorrow | None = None
+    # The borrow every lock on this connection gets outside a transaction and inside one
+    # (they depend on nothing else, so each is made once). The one outside, once lent
+    # under settings that declare no pooler for the alias, is what a session lock's fast
+    # path returns while those settings last (DjangoSite.borrow).
+    outside_borrow: DjangoBorrow | None = None
+    inside_borrow: DjangoBorrow | None = None
 
     def insert(self, holding: Holding) -> Holding:
         # The base class named rather than super(): a granted waiter runs this before its
@@ -503,7 +503,7 @@ class DjangoSite:
             if (
                 registry is not None  # only this module sets it: a DjangoConnectionLocks
                 and registry.dbapi_connection is wrapper.connection
-                and (borrow := registry.session_borrow) is not None
+                and (borrow := registry.outside_borrow) is not None
                 and borrow.without_pooler is conf._cached
                 and registry.behind_proxy is False
                 and not registry.commit_hooks
@@ -539,11 +539,13 @@ class DjangoSite:
         # transaction (atomic(), or set_autocommit(False)) that the backend must protect.
         # (Async code is refused here, as every query is.)
         in_transaction = not autocommit(wrapper)
-        borrow = registry.borrows.get(in_transaction)
+        borrow = registry.inside_borrow if in_transaction else registry.outside_borrow
         if borrow is None:
-            borrow = registry.borrows[in_transaction] = DjangoBorrow(
-                wrapper, registry, in_transaction=in_transaction
-            )
+            borrow = DjangoBorrow(wrapper, registry, in_transaction=in_transaction)
+            if in_transaction:
+                registry.inside_borrow = borrow
+            else:
+                registry.outside_borrow = borrow
         executor = borrow.executor
         # Transaction poolers were refused above with Django's own wording.
         declared = None if pooler is None else "session"
@@ -564,7 +566,6 @@ class DjangoSite:
             release_pending(registry, executor)
         if not in_transaction and pooler is None:
             borrow.without_pooler = settings
-            registry.session_borrow = borrow
         return borrow
 
     def locks(self) -> DjangoConnectionLocks:
