@@ -8,11 +8,12 @@ that releases.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,24 @@ CLIENTS = {
     "floor.django.contract": (
         "the contract floor on Django's connection (benchmarks.floors._DjangoContractFloorLock)"
     ),
+    # asyncio clients (Client.operation): throughput only.
+    "raw.asyncpg.timeout": (
+        "asyncpg by hand: the timeout lock statement + unlock (fetchval), in one task"
+    ),
+    "ours.asyncpg.timeout": f"async with advisory_lock(asyncpg_connection, timeout={WAIT_SECONDS})",
+    "floor.asyncpg.contract": (
+        "the contract floor on an asyncpg connection (benchmarks.floors.AsyncpgContractFloorLock)"
+    ),
+    "raw.asyncpg_pool.timeout": (
+        "asyncpg pool by hand (a pool of one): pool.acquire(), the timeout lock statement + "
+        "unlock, release"
+    ),
+    "ours.asyncpg_pool.timeout": (
+        f"async with advisory_lock(asyncpg_pool, timeout={WAIT_SECONDS}) (a pool of one)"
+    ),
+    "floor.asyncpg_pool.contract": (
+        "the contract floor on an asyncpg pool (benchmarks.floors.AsyncpgPoolContractFloorLock)"
+    ),
 }
 WAIT_MS = str(WAIT_SECONDS * 1000)
 
@@ -90,6 +109,12 @@ class Client:
     pg_ids: tuple[int, int, int]
     # A polling client never queues in the server; it calls on_busy instead.
     polls: bool = False
+    # An asyncio client's whole operation (acquire and release, in one coroutine) and the
+    # event loop it runs on: a throughput worker runs its slots in that loop, as an
+    # application's tasks would. Its take() runs one operation and hands back a release
+    # with nothing left to do, so it is for throughput, not for a handoff.
+    operation: Callable[[], Awaitable[None]] | None = None
+    loop: asyncio.AbstractEventLoop | None = None
 
 
 def setup_django(url: URL) -> None:
@@ -152,6 +177,8 @@ def make_client(
         return _polling_client(url, stack, key, on_busy)
     if kind.endswith("psycopg_pool.timeout"):
         return _psycopg_pool_client(kind, name, key, url, stack)
+    if ".asyncpg" in kind:
+        return _asyncpg_client(kind, name, key, url, stack)
     if kind.startswith("floor."):
         return Client(_floor_take(kind, name, key, url, stack), _ids(key))
     if kind.startswith("ours.") and "django" not in kind:
@@ -250,6 +277,63 @@ def _psycopg_pool_client(kind: str, name: str, key: int, url: URL, stack: ExitSt
         return release_raw
 
     return Client(take_raw, _ids(key))
+
+
+def _asyncpg_client(kind: str, name: str, key: int, url: URL, stack: ExitStack) -> Client:
+    """asyncpg, on a connection or a pool of one: ours, its contract floor, or the twin by
+    hand, on an event loop of the client's own."""
+    import asyncpg
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # asyncpg's pool asks for the current loop while it connects
+    stack.callback(loop.close)
+    stack.callback(asyncio.set_event_loop, None)
+    dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    bind: Any
+    if "asyncpg_pool" in kind:
+        bind = loop.run_until_complete(asyncpg.create_pool(dsn, min_size=1, max_size=1))
+    else:
+        bind = loop.run_until_complete(asyncpg.connect(dsn))
+    stack.callback(lambda: loop.run_until_complete(bind.close()))
+    operation: Callable[[], Awaitable[None]]
+    if kind.startswith("ours."):
+
+        async def operation() -> None:
+            async with advisory_lock(bind, name, timeout=WAIT_SECONDS):
+                pass
+
+    elif kind.startswith("floor."):
+        floor = (
+            floors.AsyncpgPoolContractFloorLock
+            if "asyncpg_pool" in kind
+            else floors.AsyncpgContractFloorLock
+        )
+
+        async def operation() -> None:
+            async with floor(bind, name, WAIT_SECONDS):
+                pass
+
+    elif "asyncpg_pool" in kind:
+
+        async def operation() -> None:
+            async with bind.acquire() as connection:
+                await connection.fetchval(floors.ASYNCPG_TIMEOUT_LOCK_SQL, key, WAIT_MS)
+                await connection.fetchval(floors.ASYNCPG_UNLOCK_SQL, key)
+
+    else:
+
+        async def operation() -> None:
+            await bind.fetchval(floors.ASYNCPG_TIMEOUT_LOCK_SQL, key, WAIT_MS)
+            await bind.fetchval(floors.ASYNCPG_UNLOCK_SQL, key)
+
+    def released() -> None:
+        pass
+
+    def take() -> Callable[[], None]:
+        loop.run_until_complete(operation())
+        return released
+
+    return Client(take, _ids(key), operation=operation, loop=loop)
 
 
 def _contract_bind(kind: str, url: URL, stack: ExitStack) -> Any:
