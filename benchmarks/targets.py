@@ -68,7 +68,13 @@ def _throughput(keys: str) -> Callable[[Report, str], Figure]:
 # A raw-driver bind measured against a twin of its own in the throughput run: ours and
 # the twin each against the run's reference in every round, so a round's ratio to the
 # twin is the quotient of the two.
-_THROUGHPUT_TWINS = {"ours.psycopg_pool.timeout": "raw.psycopg_pool.timeout"}
+_THROUGHPUT_TWINS = {
+    "ours.psycopg_pool.timeout": "raw.psycopg_pool.timeout",
+    "ours.asyncpg.timeout": "raw.asyncpg.timeout",
+    "floor.asyncpg.contract": "raw.asyncpg.timeout",
+    "ours.asyncpg_pool.timeout": "raw.asyncpg_pool.timeout",
+    "floor.asyncpg_pool.contract": "raw.asyncpg_pool.timeout",
+}
 
 
 def _throughput_to_twin(keys: str) -> Callable[[Report, str], Figure]:
@@ -104,8 +110,10 @@ def _binds(
 _UNCONTENDED = _binds("floor.{}.timeout", "floor.{}.contract", lambda bind: f"ours.{bind}.timeout")
 _RAW_THROUGHPUT = {
     "psycopg `Connection`": (None, "floor.psycopg.contract", "ours.psycopg.timeout"),
-    # Against its own twin, the pool by hand.
+    # Each against its own twin: the pool, the asyncpg connection or pool by hand.
     "`psycopg_pool`": (None, None, "ours.psycopg_pool.timeout"),
+    "asyncpg `Connection`": (None, "floor.asyncpg.contract", "ours.asyncpg.timeout"),
+    "asyncpg `Pool`": (None, "floor.asyncpg_pool.contract", "ours.asyncpg_pool.timeout"),
 }
 
 TARGETS = [

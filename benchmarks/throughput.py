@@ -19,7 +19,7 @@ import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -27,7 +27,7 @@ from typing import Any
 
 from sqlalchemy.engine import URL, make_url
 
-from benchmarks.clients import make_client
+from benchmarks.clients import Take, make_client
 from benchmarks.pinning import Pinning
 
 __all__ = ["THROUGHPUT_KINDS", "ThroughputResult", "run_throughput"]
@@ -54,6 +54,14 @@ THROUGHPUT_KINDS = [
     # against the reference like every case.
     "raw.psycopg_pool.timeout",
     "ours.psycopg_pool.timeout",
+    # So are asyncpg's connection and pool, each against its twin by hand, with their
+    # contract floors, all three run in the worker's event loop.
+    "raw.asyncpg.timeout",
+    "floor.asyncpg.contract",
+    "ours.asyncpg.timeout",
+    "raw.asyncpg_pool.timeout",
+    "floor.asyncpg_pool.contract",
+    "ours.asyncpg_pool.timeout",
     "pglock.timeout",
     "pals.timeout",
 ]
@@ -74,27 +82,46 @@ def _worker(url: str, pipe: Connection, cpu: int | None) -> None:
             return
         try:
             with ExitStack() as stack:
-                takes = []
+                clients = []
                 for kind, name in command:
-                    take = make_client(kind, name, make_url(url), stack).take
-                    take()()  # connect and warm up before the start
-                    takes.append(take)
+                    client = make_client(kind, name, make_url(url), stack)
+                    client.take()()  # connect and warm up before the start
+                    clients.append(client)
                 if pinning is not None:
                     pinning.pin()  # this worker and its backends on its CPU
                 pipe.send(("built", 0))
                 counts = []
                 for side, start_at, stop_at in pipe.recv():
-                    take = takes[side]
+                    client = clients[side]
                     while _clock() < start_at:  # only the first slot waits
                         time.sleep(0.0005)
-                    operations = 0
-                    while _clock() < stop_at:
-                        take()()
-                        operations += 1
+                    if client.operation is not None and client.loop is not None:
+                        operations = client.loop.run_until_complete(
+                            _async_slot(client.operation, stop_at)
+                        )
+                    else:
+                        operations = _slot(client.take, stop_at)
                     counts.append(operations)
             pipe.send(("done", counts))
         except BaseException as error:
             pipe.send(("error", repr(error)))
+
+
+def _slot(take: Take, stop_at: int) -> int:
+    operations = 0
+    while _clock() < stop_at:
+        take()()
+        operations += 1
+    return operations
+
+
+async def _async_slot(operation: Callable[[], Awaitable[None]], stop_at: int) -> int:
+    """An asyncio client's slot: its operations awaited one after another in one task."""
+    operations = 0
+    while _clock() < stop_at:
+        await operation()
+        operations += 1
+    return operations
 
 
 def _answer(pipe: Connection, expected: str, what: str, seconds: float) -> Any:

@@ -144,6 +144,27 @@ def test_the_pool_throughput_is_judged_against_its_own_twin_round_by_round() -> 
     assert row.verdict == "met, undecided"  # the first round's 0.9 is under 0.909
 
 
+def test_asyncpg_throughput_and_its_contract_floor_are_both_read_against_its_twin() -> None:
+    # Ours at 0.8 of the twin and the contract floor at 1.0: open, not unreachable, as it
+    # would read if the floor's 0.5 of the psycopg reference were taken as its figure.
+    report = _report(
+        uncontended=[],
+        handoff=[],
+        throughput=[
+            _throughput_row("raw.asyncpg.timeout", [0.5, 0.5, 0.5]),
+            _throughput_row("floor.asyncpg.contract", [0.5, 0.5, 0.5]),
+            _throughput_row("ours.asyncpg.timeout", [0.4, 0.4, 0.4]),
+        ],
+    )
+
+    (row,) = judge(report)
+
+    assert row.bind == "asyncpg `Connection`"
+    assert row.contract == (1.0, [1.0, 1.0, 1.0])
+    assert row.ours == (0.8, [0.8, 0.8, 0.8])
+    assert row.verdict == "open"
+
+
 def test_a_verdict_is_undecided_when_its_rounds_disagree_with_its_own_figure() -> None:
     # A handoff's figure is pooled over all trials, not a median of its rounds: here it
     # meets 1.1x while every round misses it.
