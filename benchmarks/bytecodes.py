@@ -13,6 +13,11 @@ and counts the library alone, this compares a library case with its floors and i
 on the same path, whatever package the work is in. A count, not a time: the same on
 every machine for the same Python and packages.
 
+The asyncio clients (``ours.asyncpg.timeout``, its twin ``raw.asyncpg.timeout``,
+``floor.asyncpg.contract``, and the same on a pool) are counted as
+``benchmarks.raw_drivers`` times them: from the start of the operation's coroutine to its
+end, the event loop's work while it awaits included. Their handoff path is not split.
+
 Not a test and not part of ``benchmarks.run``: it wraps psycopg's ``Cursor.execute`` and
 ``Connection.wait``, the library's ``LibpqStatements.value`` and the floors'
 ``Statements.run``.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
@@ -80,6 +86,7 @@ def count(kind: str, ops: int, top: int) -> None:
     # Whether the statement the library (or a floor) sends through libpq is an unlock
     # (None: none is in flight).
     in_flight: list[bool | None] = [None]
+    asynchronous = False
 
     def execute(self: Any, query: Any, params: Any = None, **options: Any) -> Any:
         unlock = "unlock" in (query if isinstance(query, str) else repr(query))
@@ -142,14 +149,19 @@ def count(kind: str, ops: int, top: int) -> None:
             client = make_client(kind, f"bench.bytecodes.{kind}", database_url(), stack)
             for _ in range(20):  # connections opened, statements prepared
                 client.take()()
-            for _ in range(ops):
-                phase[0] = "armed"
-                sys.settrace(trace)
-                release = client.take()
-                phase[0] = "holder"
-                release()
-                sys.settrace(None)
-                phase[0] = None
+            if client.operation is not None and client.loop is not None:
+                asynchronous = True
+                for _ in range(ops):
+                    client.loop.run_until_complete(_traced(client.operation, trace))
+            else:
+                for _ in range(ops):
+                    phase[0] = "armed"
+                    sys.settrace(trace)
+                    release = client.take()
+                    phase[0] = "holder"
+                    release()
+                    sys.settrace(None)
+                    phase[0] = None
     finally:
         sys.settrace(None)
         psycopg.Cursor.execute = real_execute  # type: ignore[method-assign]
@@ -167,12 +179,21 @@ def count(kind: str, ops: int, top: int) -> None:
         "  by package: "
         + ", ".join(f"{name} {number / ops:.0f}" for name, number in packages.most_common())
     )
-    print(
-        f"  handoff path: the waiter's {path['waiter'] / ops:.0f} after its answer, the "
-        f"holder's {path['holder'] / ops:.0f} before its unlock"
-    )
+    if not asynchronous:
+        print(
+            f"  handoff path: the waiter's {path['waiter'] / ops:.0f} after its answer, the "
+            f"holder's {path['holder'] / ops:.0f} before its unlock"
+        )
     for where, number in whole.most_common(top):
         print(f"  {number / ops:7.1f} {calls[where] / ops:4.1f}  {where}")
+
+
+async def _traced(operation: Callable[[], Awaitable[None]], trace: Any) -> None:
+    sys.settrace(trace)
+    try:
+        await operation()
+    finally:
+        sys.settrace(None)
 
 
 def main(argv: list[str] | None = None) -> int:
