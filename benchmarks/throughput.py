@@ -55,7 +55,7 @@ THROUGHPUT_KINDS = [
     "raw.psycopg_pool.timeout",
     "ours.psycopg_pool.timeout",
     # So are asyncpg's connection and pool, each against its twin by hand, with their
-    # contract floors, all three run in the worker's event loop.
+    # contract floors; these six are asyncio clients, run in the worker's event loop.
     "raw.asyncpg.timeout",
     "floor.asyncpg.contract",
     "ours.asyncpg.timeout",
