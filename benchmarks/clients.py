@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from advisory_locks.keys import derive_key
 from advisory_locks.sqlalchemy import advisory_lock
 from benchmarks import floors
-from benchmarks.postgres import raw_connection
+from benchmarks.postgres import libpq_dsn, raw_connection
 from benchmarks.uncontended import TIMEOUT_LOCK_SQL, UNLOCK_SQL
 
 __all__ = ["CLIENTS", "Client", "Take", "make_client", "setup_django"]
@@ -255,7 +255,7 @@ def _psycopg_pool_client(kind: str, name: str, key: int, url: URL, stack: ExitSt
     for the two statements and back, a checkin)."""
     from psycopg_pool import ConnectionPool
 
-    conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    conninfo = libpq_dsn(url)
     pool: ConnectionPool[Any] = ConnectionPool(conninfo, min_size=1, max_size=1, open=True)
     stack.callback(pool.close)
     if kind.startswith("ours."):
@@ -288,7 +288,7 @@ def _asyncpg_client(kind: str, name: str, key: int, url: URL, stack: ExitStack) 
     asyncio.set_event_loop(loop)  # asyncpg's pool asks for the current loop while it connects
     stack.callback(loop.close)
     stack.callback(asyncio.set_event_loop, None)
-    dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    dsn = libpq_dsn(url)
     bind: Any
     if "asyncpg_pool" in kind:
         bind = loop.run_until_complete(asyncpg.create_pool(dsn, min_size=1, max_size=1))

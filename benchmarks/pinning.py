@@ -20,6 +20,8 @@ from pathlib import Path
 import psycopg
 from sqlalchemy.engine import URL
 
+from benchmarks.postgres import libpq_dsn
+
 __all__ = ["Pinning", "server_sockets"]
 
 
@@ -79,7 +81,7 @@ class Pinning:
         ports = _local_ports()
         if not ports:
             return
-        conninfo = self.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        conninfo = libpq_dsn(self.url)
         with psycopg.connect(conninfo, autocommit=True) as connection:
             rows = connection.execute(
                 "SELECT pid FROM pg_stat_activity WHERE client_port = ANY(%s)"

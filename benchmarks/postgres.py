@@ -11,7 +11,14 @@ from psycopg.rows import TupleRow
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Engine, make_url
 
-__all__ = ["URL_VARIABLE", "TrackedEngine", "database_url", "raw_connection", "server_version"]
+__all__ = [
+    "URL_VARIABLE",
+    "TrackedEngine",
+    "database_url",
+    "libpq_dsn",
+    "raw_connection",
+    "server_version",
+]
 
 # The same discovery the tests use, minus containers: a benchmark needs a server that
 # stays put for the whole run.
@@ -23,6 +30,11 @@ def database_url() -> URL:
     """The server to measure, always through psycopg 3 so raw and ours share a driver."""
     url = make_url(os.environ.get(URL_VARIABLE) or LOCAL_DEFAULT)
     return url.set(drivername="postgresql+psycopg")
+
+
+def libpq_dsn(url: URL) -> str:
+    """``url`` as a libpq connection string, for drivers given one (psycopg, asyncpg)."""
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def raw_connection(

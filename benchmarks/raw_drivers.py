@@ -21,7 +21,7 @@ from advisory_locks import advisory_lock
 from advisory_locks.keys import derive_key
 from benchmarks import floors
 from benchmarks.measure import Case, Stopwatch
-from benchmarks.postgres import raw_connection
+from benchmarks.postgres import libpq_dsn, raw_connection
 
 __all__ = ["raw_driver_cases"]
 
@@ -34,10 +34,6 @@ PSYCOPG_TIMEOUT_LOCK = (
 )
 ASYNCPG_TIMEOUT_LOCK = floors.ASYNCPG_TIMEOUT_LOCK_SQL
 RAW_KEY_BASE = 7_247_000
-
-
-def _libpq(url: URL) -> str:
-    return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _timed(body: Callable[[], object]) -> Callable[[Stopwatch], None]:
@@ -115,7 +111,7 @@ def psycopg_cases(url: URL, stack: ExitStack) -> list[Case]:
         )
     )
 
-    pool: ConnectionPool[Any] = ConnectionPool(_libpq(url), min_size=1, max_size=1, open=True)
+    pool: ConnectionPool[Any] = ConnectionPool(libpq_dsn(url), min_size=1, max_size=1, open=True)
     stack.callback(pool.close)
     key = RAW_KEY_BASE
 
@@ -161,7 +157,7 @@ def asyncpg_cases(url: URL, stack: ExitStack) -> list[Case]:
     asyncio.set_event_loop(loop)
     stack.callback(loop.close)
     stack.callback(asyncio.set_event_loop, None)
-    dsn = _libpq(url)
+    dsn = libpq_dsn(url)
     connection = loop.run_until_complete(asyncpg.connect(dsn))
     stack.callback(lambda: loop.run_until_complete(connection.close()))
     ours_connection = loop.run_until_complete(asyncpg.connect(dsn))
