@@ -405,6 +405,40 @@ def test_a_pool_lends_each_lock_a_connection_and_takes_it_back_at_release(dsn: s
         assert is_free(dsn, second)
 
 
+def test_each_pool_reports_its_own_locks_and_a_dropped_lock_leaves_no_trace(
+    dsn: str, pg_admin: Admin
+) -> None:
+    # current_advisory_locks(pool) reads one registry of borrows kept for every pool: it
+    # must name only the pool's own locks, and a lock dropped while held (never released)
+    # must neither keep its connection alive nor stay in the registry.
+    from advisory_locks._bindings import _raw
+
+    mine, theirs, dropped = unique_name("pool-mine"), unique_name("pool-theirs"), unique_name()
+    with (
+        ConnectionPool(dsn, min_size=1, max_size=2, open=True) as pool,
+        ConnectionPool(dsn, min_size=1, max_size=2, open=True) as other,
+    ):
+        registered = len(_raw._pool_borrows)
+        with advisory_lock(pool, mine), advisory_lock(other, theirs):
+            assert current_advisory_locks(pool) == [mine]
+            assert current_advisory_locks(other) == [theirs]
+            assert len(_raw._pool_borrows) == registered + 2
+        assert len(_raw._pool_borrows) == registered
+
+        lock = advisory_lock(pool, dropped)
+        assert lock.acquire()
+        assert current_advisory_locks(pool) == [dropped]
+        (pid,) = holder_pids(pg_admin, dropped)
+        del lock
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # psycopg's "not closed" warning
+            gc.collect()
+        assert len(_raw._pool_borrows) == registered
+        assert current_advisory_locks(pool) == []
+        wait_for(lambda: not backend_alive(pg_admin, pid), "the dropped lock's session ends")
+        assert is_free(dsn, dropped)
+
+
 def test_a_lock_set_on_a_pool_uses_one_connection(dsn: str, pg_admin: Admin) -> None:
     names = [unique_name("set-a"), unique_name("set-b"), unique_name("set-c")]
     with ConnectionPool(dsn, min_size=1, max_size=3, open=True) as pool:

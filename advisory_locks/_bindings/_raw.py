@@ -839,11 +839,22 @@ class PooledBorrow:
                 await driver.acheckin(pool, self.bind)
 
 
-# The borrows alive per pool, for current_advisory_locks(pool). Keyed by id: asyncpg's
-# Pool cannot be weakly referenced. A borrow keeps its pool alive, so the id is not
-# reused while an entry has borrows.
-_pool_borrows: dict[int, weakref.WeakSet[PooledBorrow]] = {}
-_pool_borrows_mutex = threading.Lock()
+# The borrows alive on every pool, for current_advisory_locks(pool): id(borrow) -> a weak
+# reference to it. One flat dict, not one per pool, because asyncpg's Pool cannot be weakly
+# referenced (a per-pool entry keyed by the pool's id would outlive its pool) and because a
+# set per pool, built and dropped around every lock, cost more than the lock's own
+# statement. Storing and popping a key are single dict operations, atomic without a mutex.
+# A borrow that is settled pops its entry, so its weak reference dies with it and never
+# calls back; one dropped unsettled calls back and is popped then.
+_pool_borrows: dict[int, weakref.ref[PooledBorrow]] = {}
+
+
+def _drop_dead_borrow(dead: weakref.ref[PooledBorrow]) -> None:
+    # Runs only for a borrow collected while registered. Its id is still its own while
+    # this runs (the memory is freed after), so no live borrow shares the key.
+    for key, ref in _pool_borrows.copy().items():
+        if ref is dead:
+            _pool_borrows.pop(key, None)
 
 
 class PoolSite:
@@ -929,26 +940,16 @@ class PoolSite:
         )
 
     def _register(self, borrow: PooledBorrow) -> None:
-        with _pool_borrows_mutex:
-            borrows = _pool_borrows.get(id(self.pool))
-            if borrows is None:
-                borrows = _pool_borrows[id(self.pool)] = weakref.WeakSet()
-            borrows.add(borrow)
+        _pool_borrows[id(borrow)] = weakref.ref(borrow, _drop_dead_borrow)
 
     def forget(self, borrow: PooledBorrow) -> None:
-        with _pool_borrows_mutex:
-            borrows = _pool_borrows.get(id(self.pool))
-            if borrows is not None:
-                borrows.discard(borrow)
-                if not borrows:
-                    del _pool_borrows[id(self.pool)]
+        _pool_borrows.pop(id(borrow), None)
 
     def held_names(self) -> list[LockName]:
-        with _pool_borrows_mutex:
-            borrows = list(_pool_borrows.get(id(self.pool), ()))
         names: list[LockName] = []
-        for borrow in borrows:
-            if borrow.site.pool is self.pool:
+        for ref in _pool_borrows.copy().values():
+            borrow = ref()
+            if borrow is not None and borrow.site.pool is self.pool:
                 borrow.state.observe()
                 names += borrow.state.names()
         return names
