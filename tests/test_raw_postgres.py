@@ -410,31 +410,41 @@ def test_each_pool_reports_its_own_locks_and_a_dropped_lock_leaves_no_trace(
 ) -> None:
     # current_advisory_locks(pool) reads one registry of borrows kept for every pool: it
     # must name only the pool's own locks, and a lock dropped while held (never released)
-    # must neither keep its connection alive nor stay in the registry.
+    # must neither keep its connection alive nor stay in the registry, while the other
+    # pool's lock, alive through the same collection, stays registered.
     from advisory_locks._bindings import _raw
+
+    def registered(*pools: ConnectionPool) -> int:
+        borrows = [ref() for ref in _raw._pool_borrows.copy().values()]
+        return sum(1 for b in borrows if b is not None and b.site.pool in pools)
 
     mine, theirs, dropped = unique_name("pool-mine"), unique_name("pool-theirs"), unique_name()
     with (
         ConnectionPool(dsn, min_size=1, max_size=2, open=True) as pool,
         ConnectionPool(dsn, min_size=1, max_size=2, open=True) as other,
     ):
-        registered = len(_raw._pool_borrows)
         with advisory_lock(pool, mine), advisory_lock(other, theirs):
             assert current_advisory_locks(pool) == [mine]
             assert current_advisory_locks(other) == [theirs]
-            assert len(_raw._pool_borrows) == registered + 2
-        assert len(_raw._pool_borrows) == registered
+            assert registered(pool) == registered(other) == 1
+        assert registered(pool, other) == 0
+        gc.collect()  # nothing an earlier test dropped is left to leave the count below
+        entries = len(_raw._pool_borrows)
 
-        lock = advisory_lock(pool, dropped)
-        assert lock.acquire()
-        assert current_advisory_locks(pool) == [dropped]
-        (pid,) = holder_pids(pg_admin, dropped)
-        del lock
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)  # psycopg's "not closed" warning
-            gc.collect()
-        assert len(_raw._pool_borrows) == registered
-        assert current_advisory_locks(pool) == []
+        with advisory_lock(other, theirs):
+            lock = advisory_lock(pool, dropped)
+            assert lock.acquire()
+            assert current_advisory_locks(pool) == [dropped]
+            assert len(_raw._pool_borrows) == entries + 2
+            (pid,) = holder_pids(pg_admin, dropped)
+            del lock
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)  # psycopg's "not closed"
+                gc.collect()
+            assert len(_raw._pool_borrows) == entries + 1
+            assert current_advisory_locks(pool) == []
+            assert current_advisory_locks(other) == [theirs]
+        assert len(_raw._pool_borrows) == entries
         wait_for(lambda: not backend_alive(pg_admin, pid), "the dropped lock's session ends")
         assert is_free(dsn, dropped)
 

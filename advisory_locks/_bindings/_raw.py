@@ -844,8 +844,8 @@ class PooledBorrow:
 # referenced (a per-pool entry keyed by the pool's id would outlive its pool) and because a
 # set per pool, built and dropped around every lock, cost more than the lock's own
 # statement. Storing and popping a key are single dict operations, atomic without a mutex.
-# A borrow that is settled pops its entry, so its weak reference dies with it and never
-# calls back; one dropped unsettled calls back and is popped then.
+# A borrow that is settled pops its entry; one dropped unsettled has its weak reference
+# call back and is popped then. (A callback for a borrow already popped finds nothing.)
 _pool_borrows: dict[int, weakref.ref[PooledBorrow]] = {}
 
 
