@@ -7,6 +7,7 @@ counter stays at zero) and has nothing checked out afterwards.
 from __future__ import annotations
 
 import contextlib
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -110,6 +111,8 @@ BAD_TIMEOUTS: list[tuple[object, type[Exception]]] = [
     (float("-inf"), ValueError),
     (LARGEST_TIMEOUT_SECONDS + 0.001, ValueError),
     (10**12, ValueError),
+    (1.8e305, ValueError),  # finite, but its milliseconds overflow a float
+    (sys.float_info.max, ValueError),
     ("5", TypeError),
     (True, TypeError),
     (False, TypeError),

@@ -107,7 +107,8 @@ class PostgresBackend:
         return "postgresql"
 
     def check_options(self, *, shared: bool, transaction: bool, timeout: Timeout) -> None:
-        if timeout is not None and _timeout_ms(timeout) > MAX_TIMEOUT_MS:
+        # Compared before rounding: a huge finite timeout's milliseconds overflow a float.
+        if timeout is not None and timeout * 1000 > MAX_TIMEOUT_MS:
             raise ValueError(
                 f"timeout {timeout} s exceeds PostgreSQL's lock_timeout limit of "
                 f"{MAX_TIMEOUT_MS / 1000:.0f} s; pass timeout=None to wait without limit"
