@@ -21,6 +21,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 
+from advisory_locks._core.lease import MAX_TTL
 from advisory_locks.keys import KEY_SCHEMES, KeyScheme
 
 __all__ = ["POOLER_MODES", "SETTING", "LockSettings", "Problem", "lock_settings", "problems"]
@@ -184,11 +185,12 @@ def problems(raw: object) -> list[Problem]:
             )
     found += _pooler_problems(raw.get("POOLERS", {}))
     lease_ttl = raw.get("LEASE_TTL", DEFAULTS["LEASE_TTL"])
-    if not _valid_timeout(lease_ttl) or lease_ttl == 0:
+    if not _valid_timeout(lease_ttl) or lease_ttl == 0 or lease_ttl > MAX_TTL:
         found.append(
             Problem(
                 "advisory_locks.E009",
-                f"{SETTING}['LEASE_TTL'] must be seconds > 0, not {lease_ttl!r}.",
+                f"{SETTING}['LEASE_TTL'] must be seconds > 0, at most 100 years, not "
+                f"{lease_ttl!r}.",
                 "The default ttl of lease_lock(): how long a lease lasts after each "
                 "renewal (default 30).",
             )

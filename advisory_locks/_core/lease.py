@@ -76,6 +76,9 @@ MAX_WAIT_PAUSE: Final = 2.0
 # Waiters that read the same expiry spread out by up to this much.
 WAIT_JITTER: Final = 0.05
 MAX_NAME_CHARS: Final = 255
+# A ttl beyond a century is refused, as prune's ages are: the expiry's date arithmetic
+# would leave some databases' ranges (SQLite's and MySQL's dates end in 9999).
+MAX_TTL: Final = 100 * 365 * 86400.0
 
 
 def safety_margin(ttl: float) -> float:
@@ -102,6 +105,8 @@ class LeaseOptions:
 
     def __post_init__(self) -> None:
         ttl = _seconds("ttl", self.ttl)
+        if ttl > MAX_TTL:
+            raise ValueError(f"ttl must be at most 100 years ({MAX_TTL:.0f} s), not {self.ttl!r}")
         object.__setattr__(self, "ttl", ttl)
         object.__setattr__(self, "timeout", validate_timeout(self.timeout))
         if self.renew_every is None:

@@ -316,7 +316,7 @@ class TestOnPostgreSQL:
     def test_lease_ttl_setting_is_the_default_and_checked(self) -> None:
         with override_settings(ADVISORY_LOCKS={"LEASE_TTL": 12}):
             assert lease_lock(unique_name("lease")).ttl == 12.0
-        for bad in (0, -1, float("nan"), "30", True):
+        for bad in (0, -1, float("nan"), "30", True, 1e20):
             with override_settings(ADVISORY_LOCKS={"LEASE_TTL": bad}):
                 assert [error.id for error in check_settings()] == ["advisory_locks.E009"]
         with pytest.raises(ValueError, match="renew_every"):

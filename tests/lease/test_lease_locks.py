@@ -29,7 +29,7 @@ from advisory_locks import (
     LockUsageError,
     lease_lock,
 )
-from advisory_locks._core.lease import safety_margin
+from advisory_locks._core.lease import MAX_TTL, safety_margin
 from advisory_locks._core.renewer import renewer
 from advisory_locks.sqlalchemy import create_lease_table
 from tests.helpers import wait_for
@@ -493,6 +493,9 @@ def test_an_unreachable_database_loses_the_lease_locally_ttl_minus_margin_after_
         ({"ttl": float("inf")}, ValueError),
         ({"ttl": "30"}, TypeError),
         ({"ttl": True}, TypeError),
+        ({"ttl": MAX_TTL + 1}, ValueError),
+        ({"ttl": 1e20}, ValueError),  # the expiry would leave SQLite's and MySQL's dates
+        ({"ttl": 1.8e305}, ValueError),
         ({"ttl": 30, "renew_every": 27}, ValueError),
         ({"ttl": 30, "renew_every": 30}, ValueError),
         ({"ttl": 30, "renew_every": 0}, ValueError),
@@ -528,6 +531,22 @@ def test_bad_names_are_refused_before_any_connection(name: Any, error: type) -> 
     engine = create_engine("sqlite:///:memory:")
     with pytest.raises(error):
         lease_lock(engine, name, key_prefix="")
+
+
+def test_the_longest_ttl_and_an_enormous_timeout_hold_a_lease(lease_db: LeaseDatabase) -> None:
+    # A century's expiry fits every database's dates, and a finite timeout whose
+    # milliseconds overflow a float waits as long as the database allows, no error.
+    name = unique()
+    lease = lease_lock(lease_db.engine, name, ttl=MAX_TTL, timeout=1.8e305)
+    assert lease.acquire()
+    try:
+        row = lease_db.row(name)
+        assert row is not None
+        assert row.expires_in > MAX_TTL - 3600
+    finally:
+        lease.release()
+    with lease_lock(lease_db.engine, name, timeout=0) as again:  # released: free again
+        assert again.token == 2
 
 
 def test_renew_every_just_below_ttl_minus_margin_is_accepted() -> None:

@@ -207,7 +207,9 @@ class PostgresLeaseBackend:
 def _lock_timeout_ms(lock_wait: Timeout) -> int:
     if lock_wait is None:
         return 0
-    return min(MAX_WAIT_MS, max(NO_WAIT_MS, math.ceil(lock_wait * 1000)))
+    # Capped before rounding: a huge finite wait's milliseconds overflow a float.
+    milliseconds = math.ceil(min(lock_wait, MAX_WAIT_MS / 1000) * 1000)
+    return min(MAX_WAIT_MS, max(NO_WAIT_MS, milliseconds))
 
 
 def _lease_row(row: Sequence[Any]) -> LeaseRow:

@@ -185,7 +185,8 @@ def _modifier(seconds: float) -> str:
 def _busy_ms(lock_wait: Timeout) -> int:
     if lock_wait is None:
         return MAX_BUSY_MS
-    return min(MAX_BUSY_MS, math.ceil(lock_wait * 1000))
+    # Capped before rounding: a huge finite wait's milliseconds overflow a float.
+    return min(MAX_BUSY_MS, math.ceil(min(lock_wait, MAX_BUSY_MS / 1000) * 1000))
 
 
 def _is_busy(error: BaseException) -> bool:
