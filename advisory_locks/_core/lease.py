@@ -37,6 +37,7 @@ from advisory_locks._core.contract import (
     Timeout,
     validate_timeout,
 )
+from advisory_locks._core.prune import MAX_AGE_SECONDS
 from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
 from advisory_locks.errors import (
     LeaseTableMissing,
@@ -76,9 +77,10 @@ MAX_WAIT_PAUSE: Final = 2.0
 # Waiters that read the same expiry spread out by up to this much.
 WAIT_JITTER: Final = 0.05
 MAX_NAME_CHARS: Final = 255
-# A ttl beyond a century is refused, as prune's ages are: the expiry's date arithmetic
-# would leave some databases' ranges (SQLite's and MySQL's dates end in 9999).
-MAX_TTL: Final = 100 * 365 * 86400.0
+# A ttl beyond a century is refused, by the bound prune puts on ages and for the same
+# reason: the expiry's date arithmetic would leave some databases' ranges (SQLite's and
+# MySQL's dates end in 9999).
+MAX_TTL: Final = MAX_AGE_SECONDS
 
 
 def safety_margin(ttl: float) -> float:
