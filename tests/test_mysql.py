@@ -16,7 +16,14 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL
 
-from advisory_locks import LockDeadlock, LockLost, LockTimeout, UnsupportedFeature, advisory_lock
+from advisory_locks import (
+    LockDeadlock,
+    LockLost,
+    LockTimeout,
+    UnsupportedFeature,
+    advisory_lock,
+    current_advisory_locks,
+)
 from advisory_locks._core.executors import DBAPIExecutor, protocol_session_id
 from advisory_locks._core.steps import on, run_steps
 from advisory_locks._dialects import backend_for_dialect
@@ -276,13 +283,13 @@ def test_a_busy_lock_inside_a_transaction_leaves_the_transaction_usable(
 
 
 def _statement_time_limit(engine: Engine) -> str:
-    """The statement that limits this session's statements to 0.3 s (MariaDB's)."""
+    """The statement that limits this session's statements to 0.3 s."""
     with engine.connect() as connection:
         version = connection.execute(text("SELECT VERSION()")).scalar_one()
     if "mariadb" not in str(version).lower():
-        # MySQL's max_execution_time may end GET_LOCK with an error rather than NULL;
-        # not verified, as no MySQL server runs where this suite was written.
-        pytest.skip("max_statement_time is MariaDB's")
+        # MySQL's limit, in milliseconds: it ends GET_LOCK's wait with error 3024 (see
+        # test_a_wait_ended_by_mysqls_execution_time_limit_...).
+        return "SET SESSION max_execution_time = 300"
     return "SET SESSION max_statement_time = 0.3"
 
 
@@ -312,6 +319,56 @@ def test_a_wait_cut_by_the_sessions_statement_time_limit_is_a_lock_timeout(
             assert connection.execute(text("SELECT 1")).scalar_one() == 1
     finally:
         limited.dispose()
+
+
+def _execution_time_limit_cursor(*, after_grant: bool) -> type:
+    """A PyMySQL cursor whose GET_LOCK ends as MySQL's max_execution_time ends one: with
+    error 3024, ER_QUERY_TIMEOUT (mysql-server reports it when the timer kills an MDL
+    wait, and GET_LOCK's handler turns only ER_QUERY_INTERRUPTED into NULL). MariaDB,
+    which runs here, answers NULL instead, so the reply is MySQL's; the lock is the real
+    server's: with ``after_grant`` the server runs GET_LOCK first, as when the timer
+    fires between the grant and the reply."""
+    import pymysql
+
+    class ExecutionTimeLimitCursor(pymysql.cursors.Cursor):
+        def execute(self, query: str, args: Any = None) -> int:
+            if not query.startswith("SELECT GET_LOCK"):
+                return super().execute(query, args)
+            if after_grant:
+                super().execute(query, args)
+            raise pymysql.err.OperationalError(
+                3024, "Query execution was interrupted, maximum statement execution time exceeded"
+            )
+
+    return ExecutionTimeLimitCursor
+
+
+@pytest.mark.parametrize("after_grant", [False, True], ids=["while-waiting", "after-the-grant"])
+def test_a_wait_ended_by_mysqls_execution_time_limit_is_a_lock_timeout_and_keeps_no_lock(
+    mysql_url: URL, after_grant: bool
+) -> None:
+    engine = create_engine(
+        mysql_url,
+        connect_args={"cursorclass": _execution_time_limit_cursor(after_grant=after_grant)},
+    )
+    name = unique_name("execution-time")
+    try:
+        with engine.connect() as connection:
+            lock = advisory_lock(connection, name, timeout=5)
+            with pytest.raises(LockTimeout, match="interrupted"):
+                lock.acquire()
+            assert not lock.held
+            assert current_advisory_locks(connection) == []
+            # A grant the error hid is given back, not left with the pooled connection.
+            assert (
+                _admin_value(
+                    mysql_url, "SELECT IS_USED_LOCK(%s)", server_lock_name(derive_key(name))
+                )
+                is None
+            )
+            assert connection.execute(text("SELECT 1")).scalar_one() == 1
+    finally:
+        engine.dispose()
 
 
 def test_a_wait_ended_by_kill_query_is_a_lock_timeout(mysql_engine: Engine, mysql_url: URL) -> None:

@@ -54,6 +54,19 @@ MAX_TIMEOUT_SECONDS: Final = 2**31 - 1
 ER_LOCK_DEADLOCK: Final = 1213  # MariaDB's answer to a user-lock deadlock
 ER_USER_LOCK_DEADLOCK: Final = 3058  # MySQL's
 ER_USER_LOCK_WRONG_NAME: Final = 3057
+# A wait ended by the server with an error rather than GET_LOCK's NULL. MySQL's own
+# handler for GET_LOCK's wait (Lock_wait_timeout_handler) turns ER_QUERY_INTERRUPTED
+# (1317, a KILL QUERY) into NULL but lets ER_QUERY_TIMEOUT (3024) through: the timer of
+# max_execution_time, which applies to every SELECT, GET_LOCK's too, ends the wait with
+# it. MariaDB's max_statement_time answers NULL (10.11, measured), but its code for that
+# limit is 1969 (ER_STATEMENT_TIMEOUT), and 1317 is kept in case a kill arrives where no
+# handler turns it into NULL.
+INTERRUPTED_WAIT: Final = frozenset({1317, 1969, 3024})
+# A statement error can come after GET_LOCK granted the lock (a kill or the timer firing
+# between the grant and the reply): give back the lock if this session holds it.
+RELEASE_LATE_GRANT_SQL: Final = (
+    "SELECT IF(IS_USED_LOCK(%s) = CONNECTION_ID(), RELEASE_LOCK(%s), NULL)"
+)
 # The session is gone (or the protocol is past saving): ER_SERVER_SHUTDOWN 1053,
 # ER_ABORTING_CONNECTION 1152, ER_NET_READ_ERROR .. ER_NET_WRITE_INTERRUPTED 1158-1161,
 # ER_NEW_ABORTING_CONNECTION 1184, ER_CONNECTION_KILLED 1927 (MariaDB), ER_SESSION_WAS_KILLED
@@ -204,7 +217,17 @@ class MySQLBackend:
                     f"deadlock detected while waiting for named lock {key.name!r}",
                     name=key.name,
                 ) from error
-            raise
+            if code not in INTERRUPTED_WAIT:
+                raise
+            # This library records no hold of this name on this connection (else it
+            # would not have asked the server), so any hold is a grant the error hid,
+            # which would otherwise stay with a connection whose caller was told no.
+            name = server_lock_name(key)
+            yield Statement(VALUE, RELEASE_LATE_GRANT_SQL, (name, name))
+            raise LockTimeout(
+                f"waiting for named lock {key.name!r} was interrupted ({error})",
+                name=key.name,
+            ) from error
         if granted is None:
             # NULL: the wait was interrupted without an error (a KILL QUERY, or MariaDB's
             # max_statement_time), and the lock was not granted. Reported as PostgreSQL's
