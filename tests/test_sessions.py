@@ -123,6 +123,19 @@ def committed_notes(admin: Admin, table: str) -> list[str]:
 # -- (a) session locks survive commit and rollback inside their block ----------------------
 
 
+def test_a_session_with_only_per_mapper_binds_is_refused_before_any_sql(
+    pg_engine: Engine,
+) -> None:
+    from sqlalchemy import MetaData, Table
+
+    table = Table("advisory_locks_test_unbound", MetaData())
+    with Session(binds={table: pg_engine}) as session:
+        with pytest.raises(ValueError, match="no bind of its own"):
+            advisory_lock(session, unique_name())
+        assert pg_engine.pool.checkedout() == 0
+        assert not session.in_transaction()
+
+
 def test_session_lock_survives_session_commit_inside_its_block(
     pg_engine: Engine, pg_admin: Admin
 ) -> None:

@@ -1449,7 +1449,15 @@ class SessionSite:
         self.session = session
         self.keys = keys
         self.shared = shared
-        bind = session.get_bind()
+        try:
+            bind = session.get_bind()
+        except sqlalchemy_errors.UnboundExecutionError as error:
+            # Per-mapper binds= alone name no database for a lock, which maps nothing.
+            raise ValueError(
+                "this Session has no bind of its own to take a lock on (it has only "
+                "per-mapper binds=, or none): make it with bind=engine, or take the lock "
+                "on the Engine or a Connection"
+            ) from error
         self.backend = _backend_for(bind if isinstance(bind, Engine) else bind.engine)
 
     def borrow(self, *, transaction: bool) -> Any:
