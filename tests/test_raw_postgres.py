@@ -449,6 +449,23 @@ def test_each_pool_reports_its_own_locks_and_a_dropped_lock_leaves_no_trace(
         assert is_free(dsn, dropped)
 
 
+def test_a_lock_dropped_while_held_gives_its_pool_connection_back(dsn: str) -> None:
+    # As an Engine's pool takes back a checkout whose lock object was collected: else a
+    # pool of one would lend nothing again.
+    name = unique_name("pool-dropped")
+    with ConnectionPool(dsn, min_size=1, max_size=1, open=True) as pool:
+        lock = advisory_lock(pool, name)
+        assert lock.acquire()
+        del lock
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
+        assert is_free(dsn, name)
+        with pool.connection(timeout=5) as connection:
+            assert connection.execute("SELECT 1").fetchone() == (1,)
+        assert current_advisory_locks(pool) == []
+
+
 def test_a_lock_set_on_a_pool_uses_one_connection(dsn: str, pg_admin: Admin) -> None:
     names = [unique_name("set-a"), unique_name("set-b"), unique_name("set-c")]
     with ConnectionPool(dsn, min_size=1, max_size=3, open=True) as pool:

@@ -580,6 +580,44 @@ async def test_the_library_keeps_no_dropped_asyncpg_connection_alive(dsn: str) -
     assert collected() is None
 
 
+@pytest.mark.parametrize("kind", POOL_KINDS)
+async def test_a_lock_dropped_while_held_gives_its_pool_connection_back(
+    kind: str, dsn: str
+) -> None:
+    # As an Engine's pool takes back a checkout whose lock object was collected: else a
+    # pool of one would lend nothing again (and asyncpg's would keep the lock).
+    import gc
+    import warnings
+
+    name = unique_name("async-pool-dropped")
+    if kind == "psycopg_async_pool":
+        pool: Any = AsyncConnectionPool(dsn, min_size=1, max_size=1, open=False)
+        await pool.open()
+    else:
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    try:
+        lock = advisory_lock(pool, name)
+        assert await lock.acquire()
+        del lock
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
+
+        async def next_checkout() -> object:
+            if kind == "psycopg_async_pool":
+                async with pool.connection() as connection:
+                    cursor = await connection.execute("SELECT 1")
+                    return await cursor.fetchone()
+            async with pool.acquire() as connection:
+                return (await connection.fetchval("SELECT 1"),)
+
+        assert await asyncio.wait_for(next_checkout(), 5) == (1,)
+        assert is_free(dsn, name)
+        assert current_advisory_locks(pool) == []
+    finally:
+        await pool.close()
+
+
 def test_the_private_asyncpg_apis_the_binding_reads_exist() -> None:
     assert _asyncpg_compat.missing_private_apis() == []
     version = ".".join(asyncpg.__version__.split(".")[:2])

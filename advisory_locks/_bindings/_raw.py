@@ -53,6 +53,7 @@ are then refused unless the application declared the pooler with ``declare_poole
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -116,6 +117,7 @@ DECLARE_POOLER: Final = (
 
 
 logger = logging.getLogger("advisory_locks")
+_running_loop = asyncio._get_running_loop
 
 # The attribute a connection that has a __dict__ keeps its state in.
 STATE_ATTRIBUTE: Final = "_advisory_locks_state"
@@ -303,6 +305,17 @@ class RawDriver:
 
     def checkin(self, pool: Any, bind: Any) -> None:  # pragma: no cover - as above
         raise TypeError(f"{type(pool).__name__} is not a pool")
+
+    def abandon(self, pool: Any, bind: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Give back, from the garbage collector, the connection of a borrow collected
+        while it still held locks (its lock object dropped unreleased): closed, so that
+        its server session ends and its locks with it, then returned to ``pool``, which
+        replaces it. Called without awaiting; ``loop`` is the event loop the borrow was
+        made in (None outside one)."""
+        try:
+            self.discard(bind)
+        finally:
+            self.checkin(pool, bind)
 
     def guard_checkin(self, connection: Any) -> None:
         """Called once per connection, at its first lock: where ``connection`` belongs to
@@ -845,17 +858,35 @@ class PooledBorrow:
 # WeakSet per pool, built and dropped around every lock on an otherwise idle pool, cost
 # about 126 bytecodes per lock. Storing and popping a key are single dict operations,
 # atomic without a mutex.
-# A borrow that is settled pops its entry; one dropped unsettled has its weak reference
-# call back and is popped then. (A callback for a borrow already popped finds nothing.)
-_pool_borrows: dict[int, weakref.ref[PooledBorrow]] = {}
+# A borrow that is settled pops its entry (and its reference dies with it, uncalled); one
+# dropped unsettled, its lock object collected while it held the lock, has its reference
+# call back, which pops it and gives its connection back to the pool (RawDriver.abandon),
+# as SQLAlchemy's pool takes back a connection whose checkout was collected: else the
+# pool would count the connection out for good and, asyncpg's, keep its locks.
+class _BorrowReference(weakref.ref["PooledBorrow"]):
+    """The registry's reference to a borrow, with what gives its connection back."""
+
+    __slots__ = ("bind", "key", "loop", "site")
+
+    bind: Any
+    key: int
+    loop: asyncio.AbstractEventLoop | None
+    site: PoolSite
 
 
-def _drop_dead_borrow(dead: weakref.ref[PooledBorrow]) -> None:
+_pool_borrows: dict[int, _BorrowReference] = {}
+
+
+def _drop_dead_borrow(dead: _BorrowReference) -> None:
     # Runs only for a borrow collected while registered. Its id is still its own while
     # this runs (the memory is freed after), so no live borrow shares the key.
-    for key, ref in _pool_borrows.copy().items():
-        if ref is dead:
-            _pool_borrows.pop(key, None)
+    if _pool_borrows.get(dead.key) is dead:
+        del _pool_borrows[dead.key]
+    site = dead.site
+    try:
+        site.driver.abandon(site.pool, dead.bind, dead.loop)
+    except Exception as error:  # never raised into the collector's caller
+        logger.warning("a dropped lock's pool connection could not be given back: %s", error)
 
 
 class PoolSite:
@@ -941,7 +972,12 @@ class PoolSite:
         )
 
     def _register(self, borrow: PooledBorrow) -> None:
-        _pool_borrows[id(borrow)] = weakref.ref(borrow, _drop_dead_borrow)
+        reference = _BorrowReference(borrow, _drop_dead_borrow)
+        reference.key = key = id(borrow)
+        reference.site = self
+        reference.bind = borrow.bind
+        reference.loop = _running_loop()
+        _pool_borrows[key] = reference
 
     def forget(self, borrow: PooledBorrow) -> None:
         _pool_borrows.pop(id(borrow), None)

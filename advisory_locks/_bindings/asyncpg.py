@@ -13,6 +13,7 @@ and ``ensure_held()`` raise ``LockLost``.
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from functools import cache
 from typing import Any, Final
@@ -159,6 +160,15 @@ class AsyncpgDriver(AsyncRawDriver):
     async def acheckin(self, pool: Any, bind: Any) -> None:
         # Returns at once for a terminated connection (already back in the pool).
         await pool.release(bind)
+
+    def abandon(self, pool: Any, bind: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        # terminate() cuts the socket (the server session ends, its locks with it) and
+        # gives the connection's place back to its pool, which opens a new one; in the
+        # loop that runs the connection.
+        connection = compat.physical_connection(bind)
+        if connection is None or loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(connection.terminate)
 
 
 class AsyncpgLeaseDriver:

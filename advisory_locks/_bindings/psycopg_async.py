@@ -5,6 +5,7 @@ Native asyncio: every statement is awaited on the driver (no greenlet, no SQLAlc
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from typing import Any
 
@@ -126,6 +127,12 @@ class AsyncPsycopgDriver(AsyncRawDriver):
     async def acheckin(self, pool: Any, bind: Any) -> None:
         await pool.putconn(bind)
 
+    def abandon(self, pool: Any, bind: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        # Closed by libpq at once (close() is awaited), then handed back in the loop.
+        bind.pgconn.finish()
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_put_back, pool, bind)
+
     def guard_checkin(self, connection: Any) -> None:
         pool = pool_of(connection)
         if pool is not None:
@@ -197,6 +204,17 @@ class AsyncPsycopgLeaseDriver:
                 "call it inside `async with conn.transaction():`"
             )
         return AsyncPsycopgExecutor(bind, {})
+
+
+# The put-backs under way (the loop keeps only a weak reference to a task).
+_putting_back: set[asyncio.Task[None]] = set()
+
+
+def _put_back(pool: Any, connection: Any) -> None:
+    """Return an abandoned connection (closed) to its pool, which replaces it."""
+    task = asyncio.ensure_future(pool.putconn(connection))
+    _putting_back.add(task)
+    task.add_done_callback(_putting_back.discard)
 
 
 def _register() -> None:
