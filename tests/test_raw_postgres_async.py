@@ -618,6 +618,30 @@ async def test_a_lock_dropped_while_held_gives_its_pool_connection_back(
         await pool.close()
 
 
+async def test_a_second_tasks_lock_on_a_busy_asyncpg_connection_is_refused_not_lost(
+    dsn: str, pg_admin: Admin
+) -> None:
+    # asyncpg runs one statement at a time per connection and refuses another with the
+    # InterfaceError it also raises for a closed connection: the second task's lock must
+    # not take that for a lost connection and close it under the first task's wait.
+    waited, other = unique_name("busy-waited"), unique_name("busy-other")
+    connection = await asyncpg.connect(dsn)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as holder:
+            holder.execute("SELECT pg_advisory_lock(%s)", [unique_key(waited)])
+            waiting = asyncio.ensure_future(advisory_lock(connection, waited).acquire())
+            await wait_until(lambda: bool(waiter_pids(pg_admin, waited)), "the first task waits")
+            with pytest.raises(LockUsageError, match="one statement at a time"):
+                await advisory_lock(connection, other, timeout=0).acquire()
+            assert not connection.is_closed()
+            holder.execute("SELECT pg_advisory_unlock(%s)", [unique_key(waited)])
+            assert await asyncio.wait_for(waiting, 10) is True
+        assert current_advisory_locks(connection) == [waited]
+        assert is_free(dsn, other)
+    finally:
+        await connection.close()
+
+
 def test_the_private_asyncpg_apis_the_binding_reads_exist() -> None:
     assert _asyncpg_compat.missing_private_apis() == []
     version = ".".join(asyncpg.__version__.split(".")[:2])

@@ -3,7 +3,8 @@ checked against (asyncpg 0.29, 0.30, 0.31 and 0.32).
 
 asyncpg's pool hands out ``PoolConnectionProxy`` objects and runs ``Connection.reset()``
 (which includes ``pg_advisory_unlock_all()``) when one comes back; nothing public tells
-that a connection went back, or which connection a proxy stands for.
+that a connection went back, or which connection a proxy stands for. Nor does anything
+but its message tell a busy connection's refusal from a closed one's.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 from typing import Any, Final
 
 from asyncpg.connection import Connection
+from asyncpg.exceptions import InterfaceError
 from asyncpg.pool import Pool, PoolConnectionProxy
 
 __all__ = [
     "CHECKED_VERSIONS",
+    "busy_refusal",
     "missing_private_apis",
     "new_pool_connection",
     "physical_connection",
@@ -43,6 +46,17 @@ def release_count(connection: Any) -> int:
     """
     count: int = connection._pool_release_ctr
     return count
+
+
+# asyncpg's words when a connection refuses an operation, before sending anything,
+# because another one (another task's) is still running on it: InterfaceError, the class
+# it also raises for a closed connection (protocol.pyx and connection.py).
+_BUSY: Final = "another operation is in progress"
+
+
+def busy_refusal(error: BaseException, connection: Any) -> bool:
+    """Whether ``error`` is an open connection refusing an operation while another runs."""
+    return isinstance(error, InterfaceError) and _BUSY in str(error) and not connection.is_closed()
 
 
 def pool_of(bind: Any) -> Any:

@@ -31,6 +31,7 @@ from advisory_locks._bindings._raw import (
     translate_error,
 )
 from advisory_locks._core.dispatch import register_binding
+from advisory_locks._core.executors import StatementRefused
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
 from advisory_locks._dialects import Backend
 from advisory_locks.errors import UnsupportedFeature
@@ -99,6 +100,15 @@ class AsyncpgLockExecutor:
                 return await connection.fetchval(numbered(statement.sql, len(params)), *params)
             return await AsyncpgExecutor(connection, self.state).execute(statement)
         except Exception as error:
+            if compat.busy_refusal(error, connection):
+                # Another task's statement runs on this connection: nothing was sent,
+                # and the connection lives (it is no lost one, to be closed under the
+                # other task). Raised without its cause, whose class says "gone".
+                raise StatementRefused(
+                    f"{error}: an asyncpg connection runs one statement at a time; give "
+                    "each task its own connection (take the lock on the pool, or on a "
+                    "connection of its own)"
+                ) from None
             raise translate_error(error, self._backend) from error
 
 
