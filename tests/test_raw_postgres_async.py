@@ -544,6 +544,41 @@ async def test_a_lock_left_on_a_psycopg_pool_connection_is_released_at_checkin(
     assert is_free(dsn, name)
 
 
+async def test_a_lock_left_on_a_connection_of_an_asyncpg_pool_with_its_own_reset_is_released(
+    dsn: str, pg_admin: Admin
+) -> None:
+    # A reset= of the application's replaces asyncpg's reset, pg_advisory_unlock_all()
+    # with it: without the guard the lock stayed with the connection and its next user.
+    name = unique_name("asyncpg-own-reset")
+    resets: list[object] = []
+
+    async def reset(connection: Any) -> None:
+        resets.append(connection)
+
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1, reset=reset)
+    try:
+        async with pool.acquire() as connection:
+            first = advisory_lock(connection, name, timeout=0)
+            assert await first.acquire()
+            assert len(holder_pids(pg_admin, name)) == 1
+        assert holder_pids(pg_admin, name) == []
+        assert not first.held
+        with pytest.raises(LockLost):
+            await first.release()
+        async with pool.acquire() as again:
+            assert (
+                await again.fetchval(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND pid = pg_backend_pid()"
+                )
+                == 0
+            )
+        assert len(resets) == 2  # the application's reset still runs, after the guard
+    finally:
+        await pool.close()
+    assert is_free(dsn, name)
+
+
 def test_the_private_psycopg_pool_apis_the_binding_uses_exist() -> None:
     import psycopg_pool
 

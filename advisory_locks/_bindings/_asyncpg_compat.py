@@ -9,6 +9,7 @@ but its message tell a busy connection's refusal from a closed one's.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from asyncpg.connection import Connection
@@ -18,10 +19,12 @@ from asyncpg.pool import Pool, PoolConnectionProxy
 __all__ = [
     "CHECKED_VERSIONS",
     "busy_refusal",
+    "guard_own_reset",
     "missing_private_apis",
     "new_pool_connection",
     "physical_connection",
     "pool_of",
+    "pool_of_connection",
     "release_count",
 ]
 
@@ -67,6 +70,39 @@ def pool_of(bind: Any) -> Any:
     return None
 
 
+def pool_of_connection(connection: Any) -> Any:
+    """The pool a checked-out ``Connection`` belongs to, else None.
+
+    ``Connection._proxy``: the proxy its pool sets at check-out and clears at release.
+    """
+    proxy = getattr(connection, "_proxy", None)
+    return None if proxy is None else pool_of(proxy)
+
+
+# Marks the reset callable that already runs the guard.
+_GUARD_MARK: Final = "_advisory_locks_checkin_guard"
+
+
+def guard_own_reset(pool: Any, guard: Callable[[Any, Any], Awaitable[None]]) -> None:
+    """Where ``pool`` was made with a ``reset=`` of the application's, make it await
+    ``guard(connection, reset)`` instead, which awaits ``reset`` after its own work;
+    installed once per pool.
+
+    ``Pool._reset``: the callable given as ``reset=`` (asyncpg >= 0.30), which the pool
+    awaits in place of ``Connection.reset()``, and so of its ``pg_advisory_unlock_all()``,
+    for every connection that comes back. Without one, nothing is needed.
+    """
+    reset = getattr(pool, "_reset", None)
+    if reset is None or getattr(reset, _GUARD_MARK, False):
+        return
+
+    async def guarded(connection: Any) -> None:
+        await guard(connection, reset)
+
+    setattr(guarded, _GUARD_MARK, True)
+    pool._reset = guarded
+
+
 async def new_pool_connection(pool: Any) -> Any:
     """A new connection made the way ``pool`` makes its own (same connect arguments,
     ``connect=`` callback, ``init``), not taken from it and never returned to it.
@@ -88,4 +124,6 @@ def missing_private_apis() -> list[str]:
         missing.append("Pool._get_new_connection")
     if "_pool_release_ctr" not in getattr(Connection, "__slots__", ()):
         missing.append("Connection._pool_release_ctr")
+    if "_proxy" not in getattr(Connection, "__slots__", ()):
+        missing.append("Connection._proxy")
     return missing

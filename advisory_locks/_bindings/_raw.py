@@ -447,8 +447,8 @@ def release_at_checkin(driver: RawDriver, connection: Any) -> Steps[None]:
         return
     holdings = yield from release_session_locks(state, state.executors(connection)[0])
     logger.warning(
-        "a %s connection went back to its pool holding advisory lock(s) %s that were never "
-        "released; they were unlocked, and their lock objects report LockLost",
+        "a connection (%s) went back to its pool holding advisory lock(s) %s that were "
+        "never released; they were unlocked, and their lock objects report LockLost",
         driver.name,
         ", ".join(repr(holding.key.name) for holding in holdings),
     )

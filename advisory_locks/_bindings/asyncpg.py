@@ -8,7 +8,10 @@ the simple query protocol.
 asyncpg's pool resets a connection when it comes back (``pg_advisory_unlock_all()``
 among others): a lock still held on it is lost. The binding notices through the
 connection's release count (``_asyncpg_compat``): ``held`` turns False, and ``release()``
-and ``ensure_held()`` raise ``LockLost``.
+and ``ensure_held()`` raise ``LockLost``. A pool made with a ``reset=`` of the
+application's runs that instead of its own reset: the binding then makes the pool unlock
+what the library still holds on a returning connection first, as it does for
+psycopg_pool.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from advisory_locks._bindings._raw import (
     AsyncRawDriver,
     ConnectionGone,
     RawBinding,
+    release_at_checkin,
     translate_error,
 )
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import StatementRefused
-from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement
+from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, arun_steps
 from advisory_locks._dialects import Backend
 from advisory_locks.errors import UnsupportedFeature
 
@@ -170,6 +174,23 @@ class AsyncpgDriver(AsyncRawDriver):
     async def acheckin(self, pool: Any, bind: Any) -> None:
         # Returns at once for a terminated connection (already back in the pool).
         await pool.release(bind)
+
+    def guard_checkin(self, connection: Any) -> None:
+        # asyncpg's own reset unlocks everything (the release count tells); a reset=
+        # of the application's replaces it, and then the guard unlocks what is left.
+        pool = compat.pool_of_connection(connection)
+        if pool is not None:
+            compat.guard_own_reset(pool, self._checked_in)
+
+    async def _checked_in(self, connection: Any, reset: Any) -> None:
+        state = self.find_state(connection)
+        if state is not None and (state.holdings or state.pending_release):
+            # asyncpg counted this check-in before its reset ran: the locks still
+            # recorded were not ended by asyncpg's reset, which did not run, and are
+            # unlocked here instead.
+            state.epoch = self.epoch(connection)
+            await arun_steps(release_at_checkin(self, connection))
+        await reset(connection)
 
     def abandon(self, pool: Any, bind: Any, loop: asyncio.AbstractEventLoop | None) -> None:
         # terminate() cuts the socket (the server session ends, its locks with it) and
