@@ -866,12 +866,13 @@ class PooledBorrow:
 class _BorrowReference(weakref.ref["PooledBorrow"]):
     """The registry's reference to a borrow, with what gives its connection back."""
 
-    __slots__ = ("bind", "key", "loop", "site")
+    __slots__ = ("bind", "key", "loop", "site", "state")
 
     bind: Any
     key: int
     loop: asyncio.AbstractEventLoop | None
     site: PoolSite
+    state: RawConnectionState
 
 
 _pool_borrows: dict[int, _BorrowReference] = {}
@@ -882,6 +883,10 @@ def _drop_dead_borrow(dead: _BorrowReference) -> None:
     # this runs (the memory is freed after), so no live borrow shares the key.
     if _pool_borrows.get(dead.key) is dead:
         del _pool_borrows[dead.key]
+    if dead.state.inherited:
+        # A forked child's copy of a parent's borrow (its lock object let go of it, or
+        # was dropped): the connection and its locks are the parent's, never touched.
+        return
     site = dead.site
     try:
         site.driver.abandon(site.pool, dead.bind, dead.loop)
@@ -976,6 +981,7 @@ class PoolSite:
         reference.key = key = id(borrow)
         reference.site = self
         reference.bind = borrow.bind
+        reference.state = borrow.state
         reference.loop = _running_loop()
         _pool_borrows[key] = reference
 

@@ -25,7 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg_pool import ConnectionPool
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
@@ -33,7 +35,8 @@ from sqlalchemy.orm import Session
 from advisory_locks import LockLost, LockUsageError, advisory_lock
 from tests.faults.conftest import inject
 from tests.faults.servers import FaultDatabase, postgres_holder, postgres_kill
-from tests.helpers import unique_name
+from tests.helpers import holder_pids, unique_name
+from tests.test_raw_postgres import libpq_url
 
 pytestmark = pytest.mark.faults
 
@@ -417,3 +420,31 @@ def test_a_child_never_ends_the_parents_transaction_lock(
     bind.commit()
     assert database.holder(name) is None
     bind.close()
+
+
+@pytest.mark.parametrize("action", ["release", "drop the lock"])
+def test_a_child_leaves_the_parents_lock_on_a_raw_pool_alone(
+    action: str, postgres_url: URL, pg_admin: Any
+) -> None:
+    # A raw pool's borrow that is collected while it holds a lock gives its connection
+    # back, closed: in a child, the collected copy is the parent's, and must stay alone.
+    dsn = libpq_url(postgres_url)
+    name = unique_name("fork-raw-pool")
+    with ConnectionPool(dsn, min_size=1, max_size=2, open=True) as pool:
+        held: dict[str, Any] = {"lock": advisory_lock(pool, name)}
+        assert held["lock"].acquire()
+        (pid,) = holder_pids(pg_admin, name)
+
+        def child() -> None:
+            lock = held.pop("lock")
+            if action == "release":
+                lock.release()
+            del lock
+            gc.collect()
+
+        in_child(child)
+        assert holder_pids(pg_admin, name) == [pid]
+        with psycopg.connect(dsn, autocommit=True) as other:
+            assert not advisory_lock(other, name, timeout=0).acquire()
+        held["lock"].release()
+        assert holder_pids(pg_admin, name) == []
