@@ -57,6 +57,8 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
+import queue
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
@@ -888,10 +890,59 @@ def _drop_dead_borrow(dead: _BorrowReference) -> None:
         # was dropped): the connection and its locks are the parent's, never touched.
         return
     site = dead.site
+    if isinstance(site.driver, AsyncRawDriver):
+        # Only schedules the give-back in the borrow's event loop.
+        _abandon(site.driver, site.pool, dead.bind, dead.loop)
+    else:
+        # A collector's callback may run inside any allocation, one made while this
+        # thread holds the pool's own (non-reentrant) lock included, where putconn()
+        # would wait for itself: a thread of the library's gives the connection back.
+        # SimpleQueue.put() is safe in such a callback.
+        _abandoned.put((site.driver, site.pool, dead.bind))
+
+
+def _abandon(
+    driver: RawDriver, pool: Any, bind: Any, loop: asyncio.AbstractEventLoop | None
+) -> None:
     try:
-        site.driver.abandon(site.pool, dead.bind, dead.loop)
+        driver.abandon(pool, bind, loop)
     except Exception as error:  # never raised into the collector's caller
         logger.warning("a dropped lock's pool connection could not be given back: %s", error)
+
+
+# Blocking pools' connections of dropped borrows, given back by one daemon thread, started
+# at a process's first borrow from a blocking pool (a forked child starts its own).
+_abandoned: queue.SimpleQueue[tuple[RawDriver, Any, Any]] = queue.SimpleQueue()
+_abandoner_started = False
+_abandoner_mutex = threading.Lock()
+
+
+def _give_back_abandoned() -> None:
+    while True:
+        driver, pool, bind = _abandoned.get()
+        _abandon(driver, pool, bind, None)
+        del driver, pool, bind  # kept no longer than the give-back
+
+
+def _start_abandoner() -> None:
+    global _abandoner_started
+    with _abandoner_mutex:
+        if not _abandoner_started:
+            threading.Thread(
+                target=_give_back_abandoned, name="advisory-locks-give-back", daemon=True
+            ).start()
+            _abandoner_started = True
+
+
+def _abandoner_gone() -> None:
+    # In a forked child: the parent's thread did not come along (nor its mutex's state).
+    global _abandoner_started, _abandoner_mutex
+    _abandoner_started = False
+    _abandoner_mutex = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_abandoner_gone)
 
 
 class PoolSite:
@@ -910,6 +961,8 @@ class PoolSite:
         return self.driver.name
 
     def borrow(self, *, transaction: bool) -> PooledBorrow:
+        if not _abandoner_started:
+            _start_abandoner()  # for a blocking pool's dropped borrows (_drop_dead_borrow)
         driver = self.driver
         borrow = PooledBorrow(self, driver.checkout(self.pool))
         try:
