@@ -467,6 +467,33 @@ def test_a_lock_dropped_while_held_gives_its_pool_connection_back(dsn: str) -> N
         assert current_advisory_locks(pool) == []
 
 
+def test_a_released_lock_seen_by_current_advisory_locks_gives_back_nothing_more(
+    dsn: str,
+) -> None:
+    # current_advisory_locks(pool) holds the registry's references while it reads them:
+    # a borrow released and collected meanwhile has its reference call back, and must not
+    # close and return, a second time, a connection that is another caller's by then.
+    from advisory_locks._bindings import _raw
+
+    name = unique_name("pool-released-seen")
+    with ConnectionPool(dsn, min_size=1, max_size=1, open=True) as pool:
+        lock = advisory_lock(pool, name)
+        assert lock.acquire()
+        read_meanwhile = list(_raw._pool_borrows.values())
+        lock.release()
+        del lock
+        with pool.connection(timeout=5) as connection:  # the next caller's, the same one
+            del read_meanwhile
+            gc.collect()
+            given_back = threading.Event()
+            _raw._abandoned.put(given_back.set)  # after whatever was queued before it
+            assert given_back.wait(5)
+            assert not connection.closed
+            assert connection.execute("SELECT 1").fetchone() == (1,)
+        assert pool.get_stats().get("returns_bad", 0) == 0
+        assert is_free(dsn, name)
+
+
 def test_a_lock_set_on_a_pool_uses_one_connection(dsn: str, pg_admin: Admin) -> None:
     names = [unique_name("set-a"), unique_name("set-b"), unique_name("set-c")]
     with ConnectionPool(dsn, min_size=1, max_size=3, open=True) as pool:

@@ -881,62 +881,79 @@ _pool_borrows: dict[int, _BorrowReference] = {}
 
 
 def _drop_dead_borrow(dead: _BorrowReference) -> None:
-    # Runs only for a borrow collected while registered. Its id is still its own while
-    # this runs (the memory is freed after), so no live borrow shares the key.
-    if _pool_borrows.get(dead.key) is dead:
-        del _pool_borrows[dead.key]
-    if dead.state.inherited:
-        # A forked child's copy of a parent's borrow (its lock object let go of it, or
-        # was dropped): the connection and its locks are the parent's, never touched.
+    # Its id is still its own while this runs (the memory is freed after), so no live
+    # borrow shares the key.
+    if _pool_borrows.get(dead.key) is not dead:
+        # Settled (forget() popped it) while something else still held this reference,
+        # as held_names() does while it reads them: its connection went back already,
+        # and may be another caller's now.
         return
+    _pool_borrows.pop(dead.key, None)
     site = dead.site
     if isinstance(site.driver, AsyncRawDriver):
         # Only schedules the give-back in the borrow's event loop.
-        _abandon(site.driver, site.pool, dead.bind, dead.loop)
+        _abandon(site.driver, site.pool, dead.bind, dead.loop, dead.state)
     else:
         # A collector's callback may run inside any allocation, one made while this
         # thread holds the pool's own (non-reentrant) lock included, where putconn()
         # would wait for itself: a thread of the library's gives the connection back.
         # SimpleQueue.put() is safe in such a callback.
-        _abandoned.put((site.driver, site.pool, dead.bind))
+        _abandoned.put(
+            functools.partial(_abandon, site.driver, site.pool, dead.bind, None, dead.state)
+        )
 
 
 def _abandon(
-    driver: RawDriver, pool: Any, bind: Any, loop: asyncio.AbstractEventLoop | None
+    driver: RawDriver,
+    pool: Any,
+    bind: Any,
+    loop: asyncio.AbstractEventLoop | None,
+    state: RawConnectionState,
 ) -> None:
+    if state.inherited:
+        # A forked child's copy of a parent's borrow (its lock object let go of it, or
+        # was dropped): the connection and its locks are the parent's, never touched.
+        return
     try:
         driver.abandon(pool, bind, loop)
     except Exception as error:  # never raised into the collector's caller
         logger.warning("a dropped lock's pool connection could not be given back: %s", error)
 
 
-# Blocking pools' connections of dropped borrows, given back by one daemon thread, started
-# at a process's first borrow from a blocking pool (a forked child starts its own).
-_abandoned: queue.SimpleQueue[tuple[RawDriver, Any, Any]] = queue.SimpleQueue()
+# Blocking pools' connections of dropped borrows, given back in order by one daemon thread
+# that calls what is queued, started at a process's first borrow from a blocking pool (a
+# forked child starts its own, with a queue of its own).
+_abandoned: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _abandoner_started = False
 _abandoner_mutex = threading.Lock()
 
 
 def _give_back_abandoned() -> None:
     while True:
-        driver, pool, bind = _abandoned.get()
-        _abandon(driver, pool, bind, None)
-        del driver, pool, bind  # kept no longer than the give-back
+        give_back = _abandoned.get()
+        give_back()
+        del give_back  # kept no longer than the give-back
 
 
 def _start_abandoner() -> None:
     global _abandoner_started
     with _abandoner_mutex:
-        if not _abandoner_started:
+        if _abandoner_started:
+            return
+        try:
             threading.Thread(
                 target=_give_back_abandoned, name="advisory-locks-give-back", daemon=True
             ).start()
-            _abandoner_started = True
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            return  # a dropped lock's connection then closes with the process
+        _abandoner_started = True
 
 
 def _abandoner_gone() -> None:
-    # In a forked child: the parent's thread did not come along (nor its mutex's state).
-    global _abandoner_started, _abandoner_mutex
+    # In a forked child: the parent's thread did not come along, nor what it had still
+    # to do (the parent's), nor its mutex's state.
+    global _abandoned, _abandoner_started, _abandoner_mutex
+    _abandoned = queue.SimpleQueue()
     _abandoner_started = False
     _abandoner_mutex = threading.Lock()
 
