@@ -391,7 +391,9 @@ class RawConnectionState(ConnectionState):
             self.connection_gone()
             return
         if driver.status(connection) == IDLE:
-            for holding in self.holdings.values():
+            # A copy: current_advisory_locks(pool), from another thread, observes the
+            # states of connections whose own threads file and forget holdings meanwhile.
+            for holding in list(self.holdings.values()):
                 if holding.transaction:
                     # Committed or rolled back: the driver cannot tell which.
                     self.transaction_ended("transaction_ended")

@@ -270,7 +270,9 @@ class ConnectionState:
         return [h for h in self.holdings.values() if not h.transaction] + self.pending_release
 
     def names(self) -> list[LockName]:
-        return [h.key.name for h in self.holdings.values() if h.active]
+        # A copy first: another thread's lock may file or forget a holding meanwhile
+        # (current_advisory_locks(pool) reads every borrow's state).
+        return [h.key.name for h in list(self.holdings.values()) if h.active]
 
     def transaction_ended(self, reason: str) -> None:
         """The server released every transaction lock (``reason``: ``"commit"``,
