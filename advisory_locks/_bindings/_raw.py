@@ -862,11 +862,12 @@ class PooledBorrow:
 # WeakSet per pool, built and dropped around every lock on an otherwise idle pool, cost
 # about 126 bytecodes per lock. Storing and popping a key are single dict operations,
 # atomic without a mutex.
-# A borrow that is settled pops its entry (and its reference dies with it, uncalled); one
-# dropped unsettled, its lock object collected while it held the lock, has its reference
-# call back, which pops it and gives its connection back to the pool (RawDriver.abandon),
-# as SQLAlchemy's pool takes back a connection whose checkout was collected: else the
-# pool would count the connection out for good and, asyncpg's, keep its locks.
+# A borrow that is settled pops its entry (its reference then calls back only where
+# something else still holds it, and finds it gone); one dropped unsettled, its lock
+# object collected while it held the lock, has its reference call back, which pops it and
+# gives its connection back to the pool (RawDriver.abandon), as SQLAlchemy's pool takes
+# back a connection whose checkout was collected: else the pool would count the
+# connection out for good and, asyncpg's, keep its locks.
 class _BorrowReference(weakref.ref["PooledBorrow"]):
     """The registry's reference to a borrow, with what gives its connection back."""
 
