@@ -31,6 +31,7 @@ from advisory_locks._bindings._raw import (
     AsyncRawDriver,
     ConnectionGone,
     RawBinding,
+    holds_at_checkin,
     release_at_checkin,
     translate_error,
 )
@@ -183,11 +184,12 @@ class AsyncpgDriver(AsyncRawDriver):
             compat.guard_own_reset(pool, self._checked_in)
 
     async def _checked_in(self, connection: Any, reset: Any) -> None:
-        state = self.find_state(connection)
-        if state is not None and (state.holdings or state.pending_release):
+        if holds_at_checkin(self, connection):
             # asyncpg counted this check-in before its reset ran: the locks still
             # recorded were not ended by asyncpg's reset, which did not run, and are
             # unlocked here instead.
+            state = self.find_state(connection)
+            assert state is not None
             state.epoch = self.epoch(connection)
             await arun_steps(release_at_checkin(self, connection))
         await reset(connection)
