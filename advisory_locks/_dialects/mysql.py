@@ -206,10 +206,9 @@ class MySQLBackend:
         # the caller's transaction usable, so in_transaction needs no care here.
         self.check_options(shared=shared, transaction=transaction, timeout=timeout)
         seconds = yield from _server_timeout(state, timeout)
+        name = server_lock_name(key)
         try:
-            granted = yield Statement(
-                VALUE, "SELECT GET_LOCK(%s, %s)", (server_lock_name(key), seconds)
-            )
+            granted = yield Statement(VALUE, "SELECT GET_LOCK(%s, %s)", (name, seconds))
         except Exception as error:
             code = error_code(error)
             if code in (ER_LOCK_DEADLOCK, ER_USER_LOCK_DEADLOCK):
@@ -222,7 +221,6 @@ class MySQLBackend:
             # This library records no hold of this name on this connection (else it
             # would not have asked the server), so any hold is a grant the error hid,
             # which would otherwise stay with a connection whose caller was told no.
-            name = server_lock_name(key)
             yield Statement(VALUE, RELEASE_LATE_GRANT_SQL, (name, name))
             raise LockTimeout(
                 f"waiting for named lock {key.name!r} was interrupted ({error})",
