@@ -26,6 +26,7 @@ __all__ = [
     "pool_of",
     "pool_of_connection",
     "release_count",
+    "socket_of",
 ]
 
 CHECKED_VERSIONS: Final = ("0.29", "0.30", "0.31", "0.32")
@@ -39,6 +40,17 @@ def physical_connection(bind: Any) -> Any:
     if isinstance(bind, PoolConnectionProxy):
         return bind._con
     return bind
+
+
+def socket_of(connection: Any) -> int | None:
+    """The file descriptor of the connection's socket (None: closed, or not a socket).
+
+    ``Connection._transport``: the asyncio transport it talks to the server on, whose
+    ``get_extra_info("socket")`` is the socket.
+    """
+    transport = getattr(connection, "_transport", None)
+    sock = None if transport is None else transport.get_extra_info("socket")
+    return None if sock is None else int(sock.fileno())
 
 
 def release_count(connection: Any) -> int:
@@ -126,4 +138,6 @@ def missing_private_apis() -> list[str]:
         missing.append("Connection._pool_release_ctr")
     if "_proxy" not in getattr(Connection, "__slots__", ()):
         missing.append("Connection._proxy")
+    if "_transport" not in getattr(Connection, "__slots__", ()):
+        missing.append("Connection._transport")
     return missing

@@ -75,6 +75,7 @@ from advisory_locks._core.connection import (
     ConnectionState,
     check_server,
     finish_pending_releases,
+    opened_before_fork,
     release_session_locks,
 )
 from advisory_locks._core.contract import LockOptions, Timeout
@@ -271,6 +272,18 @@ class RawDriver:
         """Raise, before a connection's first lock sends anything, where the driver made
         it in a mode no lock can run on (asked once per connection)."""
 
+    def socket_of(self, connection: Any) -> int | None:
+        """The file descriptor of the socket ``connection`` talks to its server on (None:
+        none, or the driver does not tell), asked once, when its state is made, to tell
+        whether a forked child inherited the connection."""
+        fileno = getattr(connection, "fileno", None)  # psycopg 3, psycopg2, mysqlclient
+        if not callable(fileno):
+            return None
+        try:
+            return int(fileno())
+        except Exception:  # closed: the lock finds that out itself
+            return None
+
     # The state of a connection, kept for exactly as long as the connection lives.
     def new_state(self, backend: Backend) -> RawConnectionState:
         return RawConnectionState(backend=backend)
@@ -413,6 +426,12 @@ def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnec
             if state is None:
                 driver.refuse(connection)
                 state = driver.new_state(backend)
+                opener = opened_before_fork(driver.socket_of(connection))
+                if opener:
+                    # Opened before this process was forked, and first seen here: the
+                    # server session is the parent's, and so is any lock taken on it.
+                    state.pid = opener
+                    state.inherited = True
                 state.driver = driver
                 state.epoch = driver.epoch(connection)
                 driver.keep_state(connection, state)

@@ -135,6 +135,9 @@ class AsyncpgDriver(AsyncRawDriver):
     def is_closed(self, connection: Any) -> bool:
         return bool(connection.is_closed())
 
+    def socket_of(self, connection: Any) -> int | None:
+        return compat.socket_of(connection)
+
     def status(self, connection: Any) -> int:
         return IN_TRANSACTION if connection.is_in_transaction() else IDLE
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 import weakref
@@ -43,6 +44,7 @@ __all__ = [
     "current_process_id",
     "finish_pending_releases",
     "inherited_connection_error",
+    "opened_before_fork",
     "report_grant",
     "report_loss",
     "server_checked",
@@ -346,8 +348,8 @@ def inherited_connection_error(name: LockName, state: ConnectionState) -> LockUs
     return LockUsageError(
         f"lock {name!r} cannot be taken on this connection: process {state.pid} opened it, "
         "and this process is a fork of that one, so the connection (and every lock on it) "
-        "is the parent's. Open the child's own connections: with SQLAlchemy, call "
-        "engine.dispose(close=False) first thing in the child"
+        "is the parent's. Open the child's own connections and pools after the fork: with "
+        "SQLAlchemy, call engine.dispose(close=False) first thing in the child"
     )
 
 
@@ -382,7 +384,9 @@ def check_server(
             f"session advisory locks are refused: {transaction_pooler_declared}. "
             f"{TRANSACTION_POOLING}"
         )
-    if state.behind_proxy is None:
+    if state.behind_proxy is None and not state.inherited:
+        # (An inherited connection is refused before any lock statement; asking its
+        # server would already be a statement in the parent's session.)
         assert state.backend is not None
         server_id = yield from on(executor, state.backend.inspect_server(state.driver_state))
         state.driver_state[SERVER_SESSION_STATE] = server_id
@@ -457,9 +461,54 @@ def current_process_id() -> int:
     return _process_id
 
 
+# Set in a forked child: the process it was forked from, and the sockets open at the fork,
+# as (device, inode). A driver connection on one of those sockets was opened before the
+# fork, by that process or one before it, whether or not this library had seen it there:
+# its server session is the parent's.
+_forked_from: int = 0
+_inherited_sockets: frozenset[tuple[int, int]] = frozenset()
+
+
+def opened_before_fork(fd: int | None) -> int:
+    """The process a connection on socket ``fd`` belongs to, when this process is a fork
+    and the socket was open at the fork (0 otherwise: opened here, or not a socket).
+
+    For bindings that learn of a connection only at its first lock (the raw drivers have
+    no connect hook): asked once per connection, when its state is made. A socket's inode
+    is its own for as long as it is open, so a socket the child opened later is never
+    mistaken for an inherited one, even on a reused descriptor number.
+    """
+    if not _inherited_sockets or fd is None:
+        return 0
+    try:
+        status = os.fstat(fd)
+    except (OSError, ValueError):
+        return 0
+    return _forked_from if (status.st_dev, status.st_ino) in _inherited_sockets else 0
+
+
+def _open_sockets() -> frozenset[tuple[int, int]]:
+    """The sockets this process has open now, as (device, inode)."""
+    try:
+        descriptors = os.listdir("/dev/fd")  # Linux (/proc/self/fd), macOS and the BSDs
+    except OSError:
+        return frozenset()
+    found = set()
+    for descriptor in descriptors:
+        try:
+            status = os.fstat(int(descriptor))
+        except (OSError, ValueError):
+            continue  # the listing's own descriptor, closed by now
+        if stat.S_ISSOCK(status.st_mode):
+            found.add((status.st_dev, status.st_ino))
+    return frozenset(found)
+
+
 def _after_fork_in_child() -> None:
-    global _process_id
+    global _process_id, _forked_from, _inherited_sockets
+    _forked_from = _process_id
     _process_id = os.getpid()
+    _inherited_sockets = _open_sockets()
     for state in list(_STATES):
         state.inherited = state.pid != _process_id
         # A thread of the parent may have held it at the fork; none in the child will

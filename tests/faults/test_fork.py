@@ -16,6 +16,7 @@ and taking it again is a new acquisition on a connection of the child's own.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import multiprocessing
 import os
@@ -448,3 +449,197 @@ def test_a_child_leaves_the_parents_lock_on_a_raw_pool_alone(
             assert not advisory_lock(other, name, timeout=0).acquire()
         held["lock"].release()
         assert holder_pids(pg_admin, name) == []
+
+
+# -- raw driver connections the library first meets in the child ---------------------------
+
+
+@dataclass
+class RawParentBind:
+    """A raw bind the parent opened and used, never for a lock, and how to look at it."""
+
+    bind: Any
+    # The holder of a name on the server, asked over a connection of the parent's own.
+    holder: Callable[[str], object | None]
+    # Something that changes whenever the bind's server session runs a statement
+    # (asked from the parent, so it may itself run one on the session, always the same).
+    activity: Callable[[], object]
+    close: Callable[[], None]
+    # Runs what a lock call returned to its end: an asyncio lock's coroutine in the loop
+    # of the bind's connection.
+    run: Callable[[Any], Any] = lambda outcome: outcome
+    # Opens a blocking connection of the same kind (None: an asyncio driver).
+    reopen: Callable[[], Any] | None = None
+
+
+def socket_number(connection: Any) -> int:
+    """The descriptor of a blocking driver connection's socket."""
+    sock = getattr(connection, "_sock", None)  # PyMySQL
+    return int(sock.fileno() if sock is not None else connection.fileno())
+
+
+def _postgres_activity(admin: Any, pid: int) -> Callable[[], object]:
+    def activity() -> object:
+        row = admin.execute(
+            "SELECT state, state_change FROM pg_stat_activity WHERE pid = %s", [pid]
+        ).fetchone()
+        return tuple(row)
+
+    return activity
+
+
+def _raw_parent_bind(kind: str, request: pytest.FixtureRequest) -> RawParentBind:
+    if kind in ("pymysql", "mysqlclient"):
+        import pymysql
+
+        from tests.databases import import_mysqlclient
+        from tests.faults.servers import mysql_holder
+
+        url = request.getfixturevalue("mysql_url")
+        arguments: dict[str, Any] = url.translate_connect_args(username="user")
+        admin = pymysql.connect(**arguments, autocommit=True)
+        if kind == "pymysql":
+            connection = pymysql.connect(**arguments)
+        else:
+            arguments["passwd"] = arguments.pop("password", "")
+            arguments["db"] = arguments.pop("database")
+            connection = import_mysqlclient(os.environ).connect(**arguments)
+
+        def questions() -> object:
+            # This session's statement count, the SHOW included: one more per look.
+            cursor = connection.cursor()
+            cursor.execute("SHOW SESSION STATUS LIKE 'Questions'")
+            (_, count) = cursor.fetchone()
+            cursor.close()
+            return int(count) - len(looks) - 1
+
+        looks: list[object] = []
+
+        def activity() -> object:
+            looks.append(questions())
+            return looks[-1]
+
+        def close() -> None:
+            connection.close()
+            admin.close()
+
+        reopen_arguments = dict(arguments)
+        return RawParentBind(
+            connection,
+            mysql_holder(admin),
+            activity,
+            close,
+            reopen=lambda: type(connection)(**reopen_arguments),
+        )
+
+    connection: Any
+
+    dsn = libpq_url(request.getfixturevalue("postgres_url"))
+    pg_admin = request.getfixturevalue("pg_admin")
+    if kind == "psycopg_pool":
+        pool = ConnectionPool(dsn, min_size=1, max_size=1, open=True)
+        with pool.connection() as pooled:  # its one connection, opened and idle
+            pid = pooled.info.backend_pid
+        return RawParentBind(
+            pool,
+            postgres_holder(pg_admin),
+            _postgres_activity(pg_admin, pid),
+            pool.close,
+        )
+    if kind == "asyncpg":
+        import asyncpg
+
+        # The parent's connection lives in a loop of its own, which stays open; the child
+        # and the parent each run their lock in a loop of their own.
+        loop = asyncio.new_event_loop()
+        connection = loop.run_until_complete(asyncpg.connect(dsn))
+        loop.run_until_complete(connection.execute("SELECT 1"))
+        pid = connection.get_server_pid()
+
+        def close() -> None:
+            loop.run_until_complete(connection.close())
+            loop.close()
+
+        return RawParentBind(
+            connection,
+            postgres_holder(pg_admin),
+            _postgres_activity(pg_admin, pid),
+            close,
+            loop.run_until_complete,
+        )
+    if kind == "psycopg":
+        connect: Callable[[str], Any] = psycopg.connect
+        connection = psycopg.connect(dsn, autocommit=True)
+        connection.execute("SELECT 1")
+        pid = connection.info.backend_pid
+    else:
+        import psycopg2
+
+        connect = psycopg2.connect
+        connection = psycopg2.connect(dsn)
+        connection.cursor().execute("SELECT 1")
+        connection.rollback()
+        pid = connection.get_backend_pid()
+    return RawParentBind(
+        connection,
+        postgres_holder(pg_admin),
+        _postgres_activity(pg_admin, pid),
+        connection.close,
+        reopen=lambda: connect(dsn),
+    )
+
+
+@pytest.fixture(params=["psycopg", "psycopg2", "psycopg_pool", "asyncpg", "pymysql", "mysqlclient"])
+def raw_parent_bind(request: pytest.FixtureRequest) -> Any:
+    opened = _raw_parent_bind(request.param, request)
+    yield opened
+    opened.close()
+
+
+def test_a_child_never_locks_on_a_raw_connection_its_parent_opened_and_never_locked_on(
+    raw_parent_bind: RawParentBind,
+) -> None:
+    # A raw driver tells the library nothing when it connects, so the library first meets
+    # this connection at the child's lock. Taken there, the lock would be held by the
+    # parent's server session, and the parent's own lock on its connection would be
+    # counted by the server as a re-entry: both would hold it. The connection's socket,
+    # open at the fork, tells the child the connection is the parent's.
+    parent = raw_parent_bind
+    name = unique_name("fork-raw-unseen")
+    before = parent.activity()
+
+    def child() -> None:
+        for lock in (advisory_lock(parent.bind, name, timeout=0), advisory_lock(parent.bind, name)):
+            with pytest.raises(LockUsageError, match="fork"):  # refused every time
+                in_childs_loop(lock.acquire())
+        if parent.reopen is not None:
+            # A connection the child opens after the fork is the child's own, even on the
+            # descriptor number of the parent's socket: the child lets go of its copy of
+            # that descriptor (os.close sends nothing), and the next socket takes it.
+            number = socket_number(parent.bind)
+            os.close(number)
+            own = parent.reopen()
+            assert socket_number(own) == number
+            try:
+                with advisory_lock(own, f"{name}-child", timeout=0) as lock:
+                    assert lock.held
+            finally:
+                own.close()
+
+    in_child(child)
+
+    assert parent.activity() == before, "the child ran a statement on the parent's connection"
+    assert parent.holder(name) is None
+    lock = advisory_lock(parent.bind, name, timeout=0)
+    assert parent.run(lock.acquire())
+    assert parent.holder(name) is not None
+    parent.run(lock.release())
+    assert parent.holder(name) is None
+
+
+def in_childs_loop(outcome: Any) -> Any:
+    """What a lock call returned, an asyncio lock's coroutine run in a loop of the
+    child's own (one refused before it awaits anything never needs the parent's)."""
+    if asyncio.iscoroutine(outcome):
+        return asyncio.new_event_loop().run_until_complete(outcome)
+    return outcome
