@@ -74,6 +74,7 @@ from advisory_locks._core.connection import (
     POOLER_MODES,
     ConnectionState,
     check_server,
+    driver_socket,
     finish_pending_releases,
     opened_before_fork,
     release_session_locks,
@@ -276,13 +277,7 @@ class RawDriver:
         """The file descriptor of the socket ``connection`` talks to its server on (None:
         none, or the driver does not tell), asked once, when its state is made, to tell
         whether a forked child inherited the connection."""
-        fileno = getattr(connection, "fileno", None)  # psycopg 3, psycopg2, mysqlclient
-        if not callable(fileno):
-            return None
-        try:
-            return int(fileno())
-        except Exception:  # closed: the lock finds that out itself
-            return None
+        return driver_socket(connection)
 
     # The state of a connection, kept for exactly as long as the connection lives.
     def new_state(self, backend: Backend) -> RawConnectionState:

@@ -62,13 +62,6 @@ class MySQLDriver(RawDriver):
         # statement; mysqlclient: 1 until close() (a killed session shows at its next use).
         return not connection.open
 
-    def socket_of(self, connection: Any) -> int | None:
-        # PyMySQL keeps its socket (None once closed); mysqlclient has fileno().
-        sock = getattr(connection, "_sock", None)
-        if sock is not None:
-            return int(sock.fileno())
-        return super().socket_of(connection)
-
     def status(self, connection: Any) -> int:
         # Nothing here depends on it (no transaction locks, no autocommit switch), so it
         # only needs to be safe: UNKNOWN counts as "maybe inside the caller's transaction".

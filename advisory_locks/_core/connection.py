@@ -42,6 +42,7 @@ __all__ = [
     "PoolerMode",
     "check_server",
     "current_process_id",
+    "driver_socket",
     "finish_pending_releases",
     "inherited_connection_error",
     "opened_before_fork",
@@ -485,6 +486,20 @@ def opened_before_fork(fd: int | None) -> int:
     except (OSError, ValueError):
         return 0
     return _forked_from if (status.st_dev, status.st_ino) in _inherited_sockets else 0
+
+
+def driver_socket(connection: Any) -> int | None:
+    """The descriptor of the socket a blocking driver connection talks to its server on:
+    ``fileno()`` (psycopg 3, psycopg2, mysqlclient) or PyMySQL's socket; None where the
+    driver does not tell, or the connection is closed."""
+    sock = getattr(connection, "_sock", None)  # PyMySQL (None once closed)
+    fileno = getattr(sock if sock is not None else connection, "fileno", None)
+    if not callable(fileno):
+        return None
+    try:
+        return int(fileno())
+    except Exception:  # closed: the lock finds that out itself
+        return None
 
 
 def _open_sockets() -> frozenset[tuple[int, int]]:
