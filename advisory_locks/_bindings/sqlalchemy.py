@@ -70,7 +70,9 @@ from advisory_locks._core.connection import (
     ConnectionState,
     check_server,
     current_process_id,
+    driver_socket,
     finish_pending_releases,
+    opened_before_fork,
     release_session_locks,
     server_checked,
 )
@@ -306,8 +308,22 @@ def _check_out(engine: Engine, keys: tuple[LockKey, ...]) -> PoolProxiedConnecti
 
 
 def _opened_here(fairy: PoolProxiedConnection) -> bool:
+    return _opener(fairy) == current_process_id()
+
+
+def _opener(fairy: PoolProxiedConnection) -> int:
+    """The process that opened ``fairy``'s DB-API connection, as ``_connected`` recorded
+    it at connect. A connection opened before this module hooked the pools is recorded
+    at its first lock instead: as this process's, unless its socket was open when this
+    process was forked (``opened_before_fork``), and then as the parent's."""
     connected = fairy.info.get(CONNECTED_INFO_KEY)
-    return connected is None or connected[0] == current_process_id()
+    if connected is not None:
+        return connected[0]  # type: ignore[no-any-return]
+    opener = opened_before_fork(driver_socket(_driver(fairy))) or current_process_id()
+    record = pool_entry(fairy)
+    if record is not None:
+        record.info[CONNECTED_INFO_KEY] = (opener, weakref.ref(record))
+    return opener
 
 
 def _connect(engine: Engine, keys: tuple[LockKey, ...]) -> Connection:
@@ -380,7 +396,12 @@ def connection_state(
     state = info.get(STATE_INFO_KEY)
     if not isinstance(state, ConnectionState):
         connected = info.get(CONNECTED_INFO_KEY)
-        state = ConnectionState() if connected is None else ConnectionState(pid=connected[0])
+        if connected is not None:
+            state = ConnectionState(pid=connected[0])
+        elif fairy is not None:
+            state = ConnectionState(pid=_opener(fairy))
+        else:
+            state = ConnectionState()
         info[STATE_INFO_KEY] = state
     if state.fork_hook is None:
         connected = info.get(CONNECTED_INFO_KEY)
@@ -1113,7 +1134,9 @@ def _own_connection(engine: Engine) -> PoolProxiedConnection:
     while True:
         fairy = engine.raw_connection()
         connected = fairy.info.get(CONNECTED_INFO_KEY)
-        if connected is None or connected[0] == current_process_id():
+        if connected is not None and connected[0] == current_process_id():
+            return fairy
+        if connected is None and _opener(fairy) == current_process_id():
             return fairy
         cut_from_pool(fairy)
         fairy.close()

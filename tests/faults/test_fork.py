@@ -20,6 +20,8 @@ import asyncio
 import gc
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -643,3 +645,82 @@ def in_childs_loop(outcome: Any) -> Any:
     if asyncio.iscoroutine(outcome):
         return asyncio.new_event_loop().run_until_complete(outcome)
     return outcome
+
+
+# -- SQLAlchemy connections opened before advisory_locks.sqlalchemy hooked the pools ------
+
+# Run in a process of its own, which has not imported advisory_locks.sqlalchemy when the
+# engine opens its connection (the test process imported it long ago). Prints what the
+# child's lock did, then whether the parent's lock was granted while the child held its.
+UNHOOKED_PARENT = """
+import os, sys
+from sqlalchemy import create_engine, text
+
+engine = create_engine(sys.argv[1], pool_size=1, max_overflow=0)
+kind, name = sys.argv[2], sys.argv[3]
+connection = engine.connect()  # opened before the library's pool hook exists
+connection.execute(text("SELECT 1"))
+connection.commit()
+if kind == "engine":
+    connection.close()  # back to the pool, idle: the parent's only pooled connection
+    bind = engine
+else:
+    bind = connection
+
+import advisory_locks.sqlalchemy  # noqa: F401, E402
+from advisory_locks import LockUsageError, advisory_lock  # noqa: E402
+
+held, checked = os.pipe(), os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        lock = advisory_lock(bind, name, timeout=0)
+        outcome = "held" if lock.acquire() else "busy"
+    except LockUsageError as error:
+        outcome = "refused" if "fork" in str(error) else repr(error)
+    os.write(held[1], outcome.encode())
+    os.read(checked[0], 1)  # holds its lock (if any) until the parent looked
+    os._exit(0)
+print("child:", os.read(held[0], 100).decode())
+print("parent:", "held" if advisory_lock(bind, name, timeout=0).acquire() else "busy")
+os.write(checked[1], b"x")
+os.waitpid(pid, 0)
+"""
+
+
+# (SQLite connections have no socket, and must not cross a fork at all.)
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"], indirect=True)
+@pytest.mark.parametrize(
+    ("kind", "child"), [("engine", "held"), ("connection", "refused")], ids=["engine", "connection"]
+)
+def test_a_child_tells_its_parents_connections_opened_before_the_library_was_imported(
+    kind: str, child: str, database: FaultDatabase
+) -> None:
+    # advisory_locks.sqlalchemy records which process opened each connection from its
+    # pool hook, which sees only connections opened after it was imported. The socket of
+    # one opened before tells the child it is the parent's: an Engine's child takes its
+    # lock on a fresh connection of its own, a Connection's child is refused. Either way
+    # the parent's lock, on its own connection, is excluded or stands alone.
+    name = unique_name("fork-unhooked")
+    inject("forked child")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            UNHOOKED_PARENT,
+            database.url.render_as_string(hide_password=False),
+            kind,
+            name,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_SECONDS,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    parent = "busy" if child == "held" else "held"
+    assert result.stdout.split("\n")[:2] == [f"child: {child}", f"parent: {parent}"], (
+        result.stdout,
+        result.stderr,
+    )
+    assert database.holder(name) is None
