@@ -74,13 +74,17 @@ from advisory_locks._core.connection import (
     POOLER_MODES,
     ConnectionState,
     check_server,
-    driver_socket,
     finish_pending_releases,
     opened_before_fork,
     release_session_locks,
 )
 from advisory_locks._core.contract import LockOptions, Timeout
-from advisory_locks._core.executors import DBAPIExecutor, driver_autocommit, driver_in_transaction
+from advisory_locks._core.executors import (
+    DBAPIExecutor,
+    driver_autocommit,
+    driver_in_transaction,
+    socket_descriptor,
+)
 from advisory_locks._core.steps import Statement, Steps, arun_steps, on, run_steps
 from advisory_locks._dialects import Backend, backend_for_dialect
 from advisory_locks.errors import (
@@ -277,7 +281,7 @@ class RawDriver:
         """The file descriptor of the socket ``connection`` talks to its server on (None:
         none, or the driver does not tell), asked once, when its state is made, to tell
         whether a forked child inherited the connection."""
-        return driver_socket(connection)
+        return socket_descriptor(connection)
 
     # The state of a connection, kept for exactly as long as the connection lives.
     def new_state(self, backend: Backend) -> RawConnectionState:
@@ -421,7 +425,7 @@ def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnec
             if state is None:
                 driver.refuse(connection)
                 state = driver.new_state(backend)
-                opener = opened_before_fork(driver.socket_of(connection))
+                opener = opened_before_fork(connection, driver.socket_of)
                 if opener:
                     # Opened before this process was forked, and first seen here: the
                     # server session is the parent's, and so is any lock taken on it.

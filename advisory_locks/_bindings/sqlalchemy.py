@@ -70,7 +70,6 @@ from advisory_locks._core.connection import (
     ConnectionState,
     check_server,
     current_process_id,
-    driver_socket,
     finish_pending_releases,
     opened_before_fork,
     release_session_locks,
@@ -319,7 +318,7 @@ def _opener(fairy: PoolProxiedConnection) -> int:
     connected = fairy.info.get(CONNECTED_INFO_KEY)
     if connected is not None:
         return connected[0]  # type: ignore[no-any-return]
-    opener = opened_before_fork(driver_socket(_driver(fairy))) or current_process_id()
+    opener = opened_before_fork(_driver(fairy)) or current_process_id()
     record = pool_entry(fairy)
     if record is not None:
         record.info[CONNECTED_INFO_KEY] = (opener, weakref.ref(record))

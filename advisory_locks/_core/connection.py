@@ -26,7 +26,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 from advisory_locks._core import events
 from advisory_locks._core.events import EventSource, LockEvent
-from advisory_locks._core.executors import StatementRefused, protocol_session_id
+from advisory_locks._core.executors import (
+    StatementRefused,
+    protocol_session_id,
+    socket_descriptor,
+)
 from advisory_locks._core.steps import Executor, Statement, Steps, on
 from advisory_locks._dialects.base import SERVER_SESSION_STATE, WAIT_CANCELLED_STATE
 from advisory_locks.errors import LockUsageError, UnsupportedFeature
@@ -42,7 +46,6 @@ __all__ = [
     "PoolerMode",
     "check_server",
     "current_process_id",
-    "driver_socket",
     "finish_pending_releases",
     "inherited_connection_error",
     "opened_before_fork",
@@ -470,36 +473,28 @@ _forked_from: int = 0
 _inherited_sockets: frozenset[tuple[int, int]] = frozenset()
 
 
-def opened_before_fork(fd: int | None) -> int:
-    """The process a connection on socket ``fd`` belongs to, when this process is a fork
-    and the socket was open at the fork (0 otherwise: opened here, or not a socket).
+def opened_before_fork(
+    connection: Any, socket_of: Callable[[Any], int | None] | None = None
+) -> int:
+    """The process a driver connection belongs to, when this process is a fork and the
+    connection's socket was open at the fork (0 otherwise: opened here, or no socket).
 
-    For bindings that learn of a connection only at its first lock (the raw drivers have
-    no connect hook): asked once per connection, when its state is made. A socket's inode
-    is its own for as long as it is open, so a socket the child opened later is never
-    mistaken for an inherited one, even on a reused descriptor number.
+    ``socket_of`` finds the socket's descriptor (``socket_descriptor`` by default). For
+    bindings that may first meet a connection in a forked child (the raw drivers have no
+    connect hook): asked when a connection's state is made. A socket's inode is its own
+    for as long as it is open, so a socket the child opened later is never mistaken for
+    an inherited one, even on a reused descriptor number.
     """
-    if not _inherited_sockets or fd is None:
+    if not _inherited_sockets:  # not a fork: nothing to look at
+        return 0
+    fd = (socket_of or socket_descriptor)(connection)
+    if fd is None:
         return 0
     try:
         status = os.fstat(fd)
     except (OSError, ValueError):
         return 0
     return _forked_from if (status.st_dev, status.st_ino) in _inherited_sockets else 0
-
-
-def driver_socket(connection: Any) -> int | None:
-    """The descriptor of the socket a blocking driver connection talks to its server on:
-    ``fileno()`` (psycopg 3, psycopg2, mysqlclient) or PyMySQL's socket; None where the
-    driver does not tell, or the connection is closed."""
-    sock = getattr(connection, "_sock", None)  # PyMySQL (None once closed)
-    fileno = getattr(sock if sock is not None else connection, "fileno", None)
-    if not callable(fileno):
-        return None
-    try:
-        return int(fileno())
-    except Exception:  # closed: the lock finds that out itself
-        return None
 
 
 def _open_sockets() -> frozenset[tuple[int, int]]:

@@ -32,6 +32,7 @@ __all__ = [
     "psycopg_cursor",
     "restore_driver_autocommit",
     "set_driver_autocommit",
+    "socket_descriptor",
 ]
 
 # psycopg 3 TransactionStatus.IDLE (libpq's PQTRANS_IDLE); psycopg2 uses the same numbers.
@@ -441,7 +442,7 @@ def detach_inherited_connection(driver_connection: Any) -> None:
     so whatever the child's copy does next (close, a query) fails or goes nowhere, and the
     parent's session is untouched. A connection without a socket (sqlite3) is left alone.
     """
-    descriptor = _socket_descriptor(driver_connection)
+    descriptor = socket_descriptor(driver_connection)
     if descriptor is None:
         return
     dead, peer = socket.socketpair()
@@ -452,8 +453,10 @@ def detach_inherited_connection(driver_connection: Any) -> None:
         peer.close()
 
 
-def _socket_descriptor(driver_connection: Any) -> int | None:
-    fileno = getattr(driver_connection, "fileno", None)  # psycopg 3, psycopg2
+def socket_descriptor(driver_connection: Any) -> int | None:
+    """The descriptor of the socket a blocking driver connection talks to its server on
+    (None: no socket, as sqlite3's, or closed)."""
+    fileno = getattr(driver_connection, "fileno", None)  # psycopg 3, psycopg2, mysqlclient
     if not callable(fileno):
         # PyMySQL keeps its socket object in _sock (private, 1.0 to 1.1 checked).
         fileno = getattr(getattr(driver_connection, "_sock", None), "fileno", None)
