@@ -49,7 +49,9 @@ from advisory_locks._core.connection import (
     ConnectionState,
     Holding,
     check_server,
+    current_process_id,
     finish_pending_releases,
+    opened_before_fork,
     release_session_locks,
     server_checked,
 )
@@ -249,7 +251,13 @@ def own_connection(wrapper: BaseDatabaseWrapper) -> None:
     inherited one off without ending the parent's session).
     """
     locks = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
-    if isinstance(locks, DjangoConnectionLocks) and locks.inherited:
+    dbapi = wrapper.connection
+    if isinstance(locks, DjangoConnectionLocks) and locks.dbapi_connection is dbapi:
+        inherited = locks.inherited
+    else:
+        # Not used by a lock yet: its socket, open at the fork or not, tells.
+        inherited = bool(opened_before_fork(dbapi))
+    if inherited:
         if wrapper.in_atomic_block:
             raise UnsupportedFeature(
                 f"this process was forked from the one that opened its connection to "
@@ -273,7 +281,10 @@ def connection_locks(
         if isinstance(locks, DjangoConnectionLocks):
             locks.django_connection_gone()
         locks = DjangoConnectionLocks(
-            alias=wrapper.alias, dbapi_connection=dbapi, wrapper=weakref.ref(wrapper)
+            alias=wrapper.alias,
+            dbapi_connection=dbapi,
+            wrapper=weakref.ref(wrapper),
+            pid=opened_before_fork(dbapi) or current_process_id(),
         )
         setattr(wrapper, REGISTRY_ATTRIBUTE, locks)
         _registries.add(locks)
@@ -282,6 +293,20 @@ def connection_locks(
     if backend is not None:
         locks.backend = backend
     return locks
+
+
+def _cut_off_inherited(wrapper: BaseDatabaseWrapper, dbapi: Any) -> None:
+    """Before Django closes a forked child's copy of its parent's connection: point the
+    copy at a dead socket, so that the driver's goodbye does not end the parent's
+    session."""
+    try:
+        detach_inherited_connection(dbapi)
+    except OSError:
+        # Out of descriptors, say: Django's close must still run; the parent's session
+        # may end with it, which is what Django does without this app.
+        logger.warning("could not cut an inherited connection off the server", exc_info=True)
+    if uses_pool(wrapper):
+        dbapi.close()  # so that the pool discards it rather than lend it out again
 
 
 def observe_connection(wrapper: BaseDatabaseWrapper) -> None:
@@ -308,23 +333,20 @@ def connection_closing(wrapper: BaseDatabaseWrapper) -> None:
     connection is cut off first so that closing it does not end the parent's session.
     """
     locks = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
-    if not isinstance(locks, DjangoConnectionLocks):
-        return
     dbapi = wrapper.connection
+    if not isinstance(locks, DjangoConnectionLocks):
+        # No lock used it; but a child's copy of a connection its parent opened is still
+        # the parent's session, which closing it would end (the parent's locks with it).
+        if dbapi is not None and opened_before_fork(dbapi):
+            _cut_off_inherited(wrapper, dbapi)
+        return
     # The next DB-API connection (a new one, or another from the pool) gets a new record.
     delattr(wrapper, REGISTRY_ATTRIBUTE)
     if locks.dbapi_connection is not dbapi:
         locks.django_connection_gone()
         return
     if locks.inherited:
-        try:
-            detach_inherited_connection(dbapi)
-        except OSError:
-            # Out of descriptors, say: Django's close must still run; the parent's
-            # session may end with it, which is what Django does without this app.
-            logger.warning("could not cut an inherited connection off the server", exc_info=True)
-        if uses_pool(wrapper):
-            dbapi.close()  # so that the pool discards it rather than lend it out again
+        _cut_off_inherited(wrapper, dbapi)
         locks.django_connection_gone()
         return
     held = [h for h in locks.session_holdings() if not h.transaction]

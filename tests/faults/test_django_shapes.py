@@ -281,6 +281,63 @@ def test_a_forked_child_locks_on_a_connection_of_its_own_after_its_parent_locked
         assert holder(name) is not None
 
 
+def _child_of_a_connection_no_lock_used(
+    alias: str, name: str, action: str, checked: Any, report: Any
+) -> None:
+    try:
+        if action == "lock":
+            lock = advisory_lock(name, using=alias, timeout=0)
+            report.send("held" if lock.acquire() else "busy")
+            assert checked.wait(60)
+            lock.release()
+        connections.close_all()  # Django's close of the inherited connection, or its own
+        report.send("closed")
+    except BaseException:
+        report.send(traceback.format_exc())
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("action", ["lock", "close only"])
+def test_a_forked_child_leaves_a_connection_its_parent_opened_and_never_locked_on_alone(
+    action: str, holder: Any, django_alias: str
+) -> None:
+    # The library first meets this connection in the child. Its socket, open at the fork,
+    # says it is the parent's: the child's lock goes on a connection of its own (else it
+    # would be held by the parent's session, and the parent's own lock there counted as a
+    # re-entry: two holders), and closing the child's copy leaves the parent's session up.
+    wrapper = connections[django_alias]
+    with wrapper.cursor() as cursor:  # opened and used by the parent, for no lock
+        cursor.execute("SELECT 1")
+    parents = wrapper.connection
+    name = unique_name("django-fork-unseen")
+    context = multiprocessing.get_context("fork")
+    receiving, sending = context.Pipe(duplex=False)
+    checked = context.Event()
+    child = context.Process(
+        target=_child_of_a_connection_no_lock_used,
+        args=(django_alias, name, action, checked, sending),
+    )
+    child.start()
+    inject("forked child")
+    try:
+        if action == "lock":
+            assert receiving.poll(30)
+            assert receiving.recv() == "held"
+            # The parent, on its own connection, is excluded by the child's lock.
+            assert not advisory_lock(name, using=django_alias, timeout=0).acquire()
+    finally:
+        checked.set()
+        child.join(60)
+    assert receiving.poll(5)
+    assert receiving.recv() == "closed"
+    assert holder(name) is None
+    assert wrapper.connection is parents
+    with wrapper.cursor() as cursor:  # the parent's session outlived the child's close
+        cursor.execute("SELECT 1")
+    with advisory_lock(name, using=django_alias, timeout=0):
+        assert holder(name) is not None
+
+
 # -- poolers: a connection refused once is refused at every lock ------------------------------
 
 
