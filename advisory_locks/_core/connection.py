@@ -352,8 +352,9 @@ def inherited_connection_error(name: LockName, state: ConnectionState) -> LockUs
     return LockUsageError(
         f"lock {name!r} cannot be taken on this connection: process {state.pid} opened it, "
         "and this process is a fork of that one, so the connection (and every lock on it) "
-        "is the parent's. Open the child's own connections and pools after the fork: with "
-        "SQLAlchemy, call engine.dispose(close=False) first thing in the child"
+        "is the parent's. Open the child's own connections and pools after the fork (with "
+        "SQLAlchemy, call engine.dispose(close=False) first thing in the child; with "
+        "Django, close the connections before forking)"
     )
 
 
