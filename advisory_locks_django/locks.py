@@ -33,6 +33,7 @@ from advisory_locks._core.contract import (
 from advisory_locks._core.executors import StatementRefused
 from advisory_locks.errors import (
     AdvisoryLockError,
+    LockConnectionLost,
     LockLost,
     LockUsageError,
     UnsupportedFeature,
@@ -436,10 +437,11 @@ class DjangoAdvisoryLock(AdvisoryLock):
     def _raise_if_connection_gone(self, error: DatabaseError) -> None:
         """An acquire failed with ``error``: when the connection is gone, say so."""
         if self._connection_gone(error):
-            raise AdvisoryLockError(
+            raise LockConnectionLost(
                 f"could not take advisory lock {self.name!r}: the connection to "
                 f"database {self.using!r} failed ({error}); Django opens a new one "
-                "at its next use"
+                "at its next use",
+                name=self.name,
             ) from error
 
     def _lost_connection(self, error: DatabaseError) -> LockLost:

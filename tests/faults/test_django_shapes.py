@@ -23,7 +23,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
 
-from advisory_locks import AdvisoryLockError, LockLost, UnsupportedFeature
+from advisory_locks import LockConnectionLost, LockLost, UnsupportedFeature
 from advisory_locks_django import advisory_lock, current_advisory_locks
 from tests.databases import psycopg_connect
 from tests.django.real_requests import asgi_request, handle_request, wsgi_worker
@@ -175,7 +175,9 @@ def test_taking_a_lock_on_a_killed_connection_is_a_typed_error_and_the_next_requ
         assert worker.request(connect).status == 200
         database.kill([box["connection"]])
         failed = worker.request(lambda: advisory_lock(name, using=persistent_alias).acquire())
-        assert isinstance(failed.error, AdvisoryLockError), failed.error
+        assert isinstance(failed.error, LockConnectionLost), failed.error
+        assert isinstance(failed.error, ConnectionError)
+        assert failed.error.name == name
         assert "connection" in str(failed.error)
         again = worker.request(
             lambda: advisory_lock(name, using=persistent_alias, timeout=0).acquire()
