@@ -482,7 +482,8 @@ def opened_before_fork(
 
     ``socket_of`` finds the socket's descriptor (``socket_descriptor`` by default). For
     bindings that may first meet a connection in a forked child (the raw drivers have no
-    connect hook): asked when a connection's state is made. A socket's inode is its own
+    connect hook; a SQLAlchemy pool's connection may predate the hook; Django's may carry
+    no lock yet): asked when a binding first meets a connection. A socket's inode is its own
     for as long as it is open, so a socket the child opened later is never mistaken for
     an inherited one, even on a reused descriptor number.
     """
@@ -501,7 +502,9 @@ def opened_before_fork(
 def _open_sockets() -> frozenset[tuple[int, int]]:
     """The sockets this process has open now, as (device, inode)."""
     try:
-        descriptors = os.listdir("/dev/fd")  # Linux (/proc/self/fd), macOS and the BSDs
+        # Linux: /proc/self/fd. Elsewhere /dev/fd may list only some (FreeBSD without
+        # fdescfs: 0 to 2), and the check then misses what it does not list.
+        descriptors = os.listdir("/dev/fd")
     except OSError:
         return frozenset()
     found = set()
