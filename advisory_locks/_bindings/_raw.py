@@ -376,6 +376,8 @@ class RawConnectionState(ConnectionState):
     # False where the state must not refer to its connection (see ``keep_state``): the
     # executors are then made for each borrow, and live as long as it does.
     keeps_executors: bool = True
+    # Whether the connection was found inherited by its socket (see ``state_for``).
+    inherited_socket: bool = False
 
     def executors(self, connection: Any) -> tuple[Any, Any]:
         """The executors of session locks (switching a non-autocommit connection to
@@ -419,10 +421,13 @@ _states_mutex = threading.Lock()
 def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnectionState:
     """The state of ``connection``, made on first use and brought up to date."""
     state = driver.find_state(connection)
-    if state is None:
+    if state is None or state.inherited_socket:
         with _states_mutex:
             state = driver.find_state(connection)
-            if state is None:
+            if state is None or (
+                # Reconnected since (PyMySQL's connect()): a session of this process's.
+                state.inherited_socket and not opened_before_fork(connection, driver.socket_of)
+            ):
                 driver.refuse(connection)
                 state = driver.new_state(backend)
                 opener = opened_before_fork(connection, driver.socket_of)
@@ -430,7 +435,7 @@ def state_for(driver: RawDriver, connection: Any, backend: Backend) -> RawConnec
                     # Opened before this process was forked, and first seen here: the
                     # server session is the parent's, and so is any lock taken on it.
                     state.pid = opener
-                    state.inherited = True
+                    state.inherited = state.inherited_socket = True
                 state.driver = driver
                 state.epoch = driver.epoch(connection)
                 driver.keep_state(connection, state)

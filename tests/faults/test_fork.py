@@ -724,3 +724,34 @@ def test_a_child_tells_its_parents_connections_opened_before_the_library_was_imp
         result.stderr,
     )
     assert database.holder(name) is None
+
+
+def test_a_raw_connection_the_child_reconnected_is_its_own(mysql_url: URL) -> None:
+    # PyMySQL's connect() gives a connection object a new socket and server session. Found
+    # inherited by its socket before, the same object is then the child's own.
+    import pymysql
+
+    from tests.faults.servers import mysql_holder
+
+    arguments: dict[str, Any] = mysql_url.translate_connect_args(username="user")
+    connection = pymysql.connect(**arguments)
+    parents_session = connection.thread_id()
+    name = unique_name("fork-raw-reconnect")
+
+    def child() -> None:
+        with pytest.raises(LockUsageError, match="fork"):
+            advisory_lock(connection, name, timeout=0).acquire()
+        connection.connect()  # a socket and a session of the child's own
+        assert connection.thread_id() != parents_session
+        admin = pymysql.connect(**arguments, autocommit=True)
+        with advisory_lock(connection, name, timeout=0) as lock:
+            assert lock.held
+            assert mysql_holder(admin)(name) == connection.thread_id()
+        admin.close()
+
+    in_child(child)
+
+    assert connection.thread_id() == parents_session
+    with advisory_lock(connection, name, timeout=0) as lock:  # the parent's session is up
+        assert lock.held
+    connection.close()
