@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import multiprocessing
 import os
 import subprocess
@@ -494,44 +495,25 @@ def _raw_parent_bind(kind: str, request: pytest.FixtureRequest) -> RawParentBind
     if kind in ("pymysql", "mysqlclient"):
         import pymysql
 
-        from tests.databases import import_mysqlclient
         from tests.faults.servers import mysql_holder
+        from tests.test_raw_mysql import Driver, questions
 
-        url = request.getfixturevalue("mysql_url")
-        arguments: dict[str, Any] = url.translate_connect_args(username="user")
-        admin = pymysql.connect(**arguments, autocommit=True)
-        if kind == "pymysql":
-            connection = pymysql.connect(**arguments)
-        else:
-            arguments["passwd"] = arguments.pop("password", "")
-            arguments["db"] = arguments.pop("database")
-            connection = import_mysqlclient(os.environ).connect(**arguments)
-
-        def questions() -> object:
-            # This session's statement count, the SHOW included: one more per look.
-            cursor = connection.cursor()
-            cursor.execute("SHOW SESSION STATUS LIKE 'Questions'")
-            (_, count) = cursor.fetchone()
-            cursor.close()
-            return int(count) - len(looks) - 1
-
-        looks: list[object] = []
-
-        def activity() -> object:
-            looks.append(questions())
-            return looks[-1]
+        driver = Driver(kind, request.getfixturevalue("mysql_url"))
+        admin = pymysql.connect(**driver.arguments(), autocommit=True)
+        connection = driver.connect()
+        # The session's statement count, less this look's own SHOW and every earlier one.
+        looks = itertools.count()
 
         def close() -> None:
-            connection.close()
+            driver.close()
             admin.close()
 
-        reopen_arguments = dict(arguments)
         return RawParentBind(
             connection,
             mysql_holder(admin),
-            activity,
+            lambda: questions(connection) - next(looks),
             close,
-            reopen=lambda: type(connection)(**reopen_arguments),
+            reopen=driver.connect,
         )
 
     connection: Any
