@@ -62,7 +62,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from advisory_locks._core.advisory import (
     AdvisoryLock,
@@ -369,6 +369,7 @@ class RawConnectionState(ConnectionState):
     """What this library holds on one physical driver connection, read against the driver
     each time it is used (raw connections have no events)."""
 
+    observes: ClassVar[bool] = True
     driver: RawDriver
     connection: weakref.ReferenceType[Any]
     epoch: object
@@ -814,6 +815,7 @@ class PooledBorrow:
     )
 
     in_transaction: bool
+    settled_by_done = False  # settle() returns or discards the connection
 
     def __init__(self, site: PoolSite, bind: Any) -> None:
         self.site = site

@@ -94,14 +94,12 @@ class Borrowed(Protocol):
     executor: Any
     state: ConnectionState
     in_transaction: bool
+    # True where ``done`` gives the connection back itself, leaving ``settle`` nothing
+    # to do: a released lock then skips that request.
+    settled_by_done: bool
 
     def done(self) -> None:
-        """The lock no longer needs the connection (given back at ``settle``).
-
-        A borrowed connection whose ``done`` gives it back itself, leaving ``settle``
-        nothing to do, may say so with a class attribute ``settled_by_done = True``:
-        a released lock then skips that request.
-        """
+        """The lock no longer needs the connection (given back at ``settle``)."""
 
     def broken(self, error: BaseException) -> None:
         """The connection failed; it must never go back to a pool as if healthy."""
@@ -147,7 +145,8 @@ class AdvisoryLock(LockContract):
         self.key_info = key
         self.options = options
         self._count = 0
-        self._owner: tuple[int, int] | None = None
+        # The thread that holds this object (its id), or the task ((thread id, task id)).
+        self._owner: int | tuple[int, int] | None = None
         self._borrowed: Borrowed | None = None
         self._holding: Holding | None = None
 
@@ -181,8 +180,10 @@ class AdvisoryLock(LockContract):
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
             return False
-        borrowed.state.observe()
-        return holding.active and not borrowed.state.inherited
+        state = borrowed.state
+        if state.observes:
+            state.observe()
+        return holding.active and not state.inherited
 
     @property
     def holding(self) -> Holding | None:
@@ -193,7 +194,18 @@ class AdvisoryLock(LockContract):
         """Take the lock; False when it stayed busy for the whole timeout."""
         # Blocking calls directly, no step driver between the lock and its connection;
         # aacquire() is the same rules, awaited.
-        if self._reenter():
+        if self._borrowed is None:
+            # An object that holds nothing (the usual case: a new one): claimed for this
+            # thread or task as _reenter() claims it, without the call.
+            loop = _running_loop()
+            task = None if loop is None else asyncio.current_task(loop)
+            owner = _thread_id() if task is None else (_thread_id(), id(task))
+            with _CLAIMS:
+                if self._owner is not None and self._owner != owner:
+                    raise self._claimed_elsewhere()
+                self._owner = owner
+            self._count = 0
+        elif self._reenter():
             return True
         site = self._site
         options = self.options
@@ -215,17 +227,13 @@ class AdvisoryLock(LockContract):
                 holding = granting
             else:
                 executor = borrowed.executor
-                statement = site.backend.lock_statement(
+                statement, granting.unlock = site.backend.lock_statements(
                     self.key_info,
-                    shared=options.shared,
-                    transaction=options.transaction,
-                    timeout=options.timeout,
-                    in_transaction=borrowed.in_transaction,
+                    options.shared,
+                    options.transaction,
+                    options.timeout,
+                    borrowed.in_transaction,
                 )
-                if not options.transaction:
-                    granting.unlock = site.backend.unlock_statement(
-                        self.key_info, shared=options.shared
-                    )
                 try:
                     if statement is None:
                         granted = perform(executor, self._acquire_steps(borrowed))
@@ -263,7 +271,8 @@ class AdvisoryLock(LockContract):
         if not self._count or holding is None or borrowed is None:
             raise self._not_held()
         state = borrowed.state
-        state.observe()
+        if state.observes:
+            state.observe()
         self._count -= 1
         holding.count -= 1
         if self._count:
@@ -295,7 +304,7 @@ class AdvisoryLock(LockContract):
         self._owner = None
         state.end(holding, "unlock" if released else "lost")
         borrowed.done()
-        if not getattr(borrowed, "settled_by_done", False):
+        if not borrowed.settled_by_done:
             borrowed.settle()
         if not released:
             raise self._not_released(holding, state)
@@ -320,7 +329,17 @@ class AdvisoryLock(LockContract):
     async def aacquire(self) -> bool:
         """``acquire()`` on a site whose connections are awaited (``aborrow``, awaiting
         executors): the same rules, each request awaited directly."""
-        if self._reenter():
+        if self._borrowed is None:
+            # As in acquire(): claimed for this task without _reenter().
+            loop = _running_loop()
+            task = None if loop is None else asyncio.current_task(loop)
+            owner = _thread_id() if task is None else (_thread_id(), id(task))
+            with _CLAIMS:
+                if self._owner is not None and self._owner != owner:
+                    raise self._claimed_elsewhere()
+                self._owner = owner
+            self._count = 0
+        elif self._reenter():
             return True
         site = self._site
         options = self.options
@@ -339,17 +358,13 @@ class AdvisoryLock(LockContract):
                 holding = granting
             else:
                 executor = borrowed.executor
-                statement = site.backend.lock_statement(
+                statement, granting.unlock = site.backend.lock_statements(
                     self.key_info,
-                    shared=options.shared,
-                    transaction=options.transaction,
-                    timeout=options.timeout,
-                    in_transaction=borrowed.in_transaction,
+                    options.shared,
+                    options.transaction,
+                    options.timeout,
+                    borrowed.in_transaction,
                 )
-                if not options.transaction:
-                    granting.unlock = site.backend.unlock_statement(
-                        self.key_info, shared=options.shared
-                    )
                 try:
                     if statement is None:
                         granted = await aperform(executor, self._acquire_steps(borrowed))
@@ -391,23 +406,21 @@ class AdvisoryLock(LockContract):
         # A lock object's own count stands for one holder. Shared by two threads (a
         # module-level lock used like threading.Lock) or two asyncio tasks, the second
         # would count itself in without any lock on its own connection: refuse instead.
-        # The owner is the thread, and the asyncio task within it (0 outside one).
+        # The owner is the thread, with the asyncio task within it where there is one.
         loop = _running_loop()
         task = None if loop is None else asyncio.current_task(loop)
-        owner = (_thread_id(), 0 if task is None else id(task))
+        owner = _thread_id() if task is None else (_thread_id(), id(task))
         with _CLAIMS:
             if self._owner is not None and self._owner != owner:
-                raise LockUsageError(
-                    f"lock object {self.name!r} is held by another thread or task; make "
-                    "one lock object per use (call advisory_lock(...) where the lock is "
-                    "needed)"
-                )
+                raise self._claimed_elsewhere()
             self._owner = owner
         borrowed = self._borrowed
         if borrowed is None:  # a new object, or one whose holders all released it
             self._count = 0
             return False
-        borrowed.state.observe()
+        state = borrowed.state
+        if state.observes:
+            state.observe()
         holding = self._holding
         if self._count and holding is not None and holding.active:
             self._count += 1
@@ -415,6 +428,12 @@ class AdvisoryLock(LockContract):
             return True
         self._count = 0
         return False
+
+    def _claimed_elsewhere(self) -> LockUsageError:
+        return LockUsageError(
+            f"lock object {self.name!r} is held by another thread or task; make one lock "
+            "object per use (call advisory_lock(...) where the lock is needed)"
+        )
 
     def _acquire_steps(self, borrowed: Borrowed) -> StatementSteps[bool]:
         """The backend's whole acquire: where it has no ``lock_statement``, or that raised."""
@@ -571,7 +590,7 @@ class AdvisoryLock(LockContract):
         self._let_go()
         state.end(holding, "unlock" if released else "lost")
         borrowed.done()
-        if not getattr(borrowed, "settled_by_done", False):
+        if not borrowed.settled_by_done:
             await borrowed.asettle()
         if not released:
             raise self._not_released(holding, state)
@@ -587,7 +606,9 @@ class AdvisoryLock(LockContract):
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
             raise self._not_held()
-        borrowed.state.observe()
+        state = borrowed.state
+        if state.observes:
+            state.observe()
         self._count -= 1
         holding.count -= 1
         if self._count:

@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from advisory_locks._core import events
 from advisory_locks._core.events import EventSource, LockEvent
@@ -206,14 +206,18 @@ class ConnectionState:
         self.inherited = self.pid != _process_id
         _STATES.add(self)
 
+    # Whether observe() has anything to do: the lock asks before each call.
+    observes: ClassVar[bool] = False
+
     def observe(self) -> None:
         """Catch up, without a round trip, with what happened to the driver connection
         since the library last looked.
 
         Bindings that get events (SQLAlchemy, Django) keep the record current as things
         happen and need nothing here. A raw driver connection has no events: its state
-        overrides this to read the driver (closed, handed back to a pool that reset it,
-        transaction ended), and the lock calls it before trusting a holding.
+        overrides this (and sets ``observes``) to read the driver (closed, handed back
+        to a pool that reset it, transaction ended), and the lock calls it before
+        trusting a holding.
         """
 
     def find(self, key: LockKey, *, shared: bool, transaction: bool) -> Holding | None:
@@ -241,12 +245,11 @@ class ConnectionState:
         return Holding(key, shared, transaction, len(self.savepoints), entry)
 
     def insert(self, holding: Holding) -> Holding:
-        """File ``holding`` (from ``find_or_prepare``), which the server just granted."""
-        entry = holding.entry
-        assert entry is not None
+        """File ``holding`` (from ``find_or_prepare``, so with its ``entry``), which the
+        server just granted."""
         holding.filed = True
         with self.mutex:
-            self.holdings[entry] = holding
+            self.holdings[holding.entry] = holding  # type: ignore[index]
         return holding
 
     def forget(self, holding: Holding) -> None:
@@ -261,7 +264,13 @@ class ConnectionState:
     def end(self, holding: Holding, reason: str) -> None:
         """The server no longer holds ``holding`` (``reason`` as a ``released`` event
         says it): forget it, and report its end."""
-        self.forget(holding)
+        entry = holding.entry  # self.forget(holding), written out: run at every release
+        if entry is None:
+            entry = self._entry(holding.key, holding.shared, holding.transaction)
+        with self.mutex:
+            holding.active = False
+            if self.holdings.get(entry) is holding:
+                del self.holdings[entry]
         if holding.source is not None:  # report_end's first test, asked before the call
             report_end(holding, reason)
 

@@ -100,6 +100,17 @@ class Backend(Protocol):
         error into ``acquire``, whose first statement it must be.
         """
 
+    def lock_statements(
+        self,
+        key: LockKey,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> tuple[Statement | None, Statement | None]:
+        """``lock_statement`` and, for a session lock, ``unlock_statement`` (None for a
+        transaction lock), in one call: what a lock asks before it sends anything."""
+
     def lock_identity(self, key: LockKey) -> Hashable:
         """What the server locks on for ``key``: equal identities are one lock."""
 

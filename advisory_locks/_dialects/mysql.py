@@ -254,6 +254,16 @@ class MySQLBackend:
         # GET_LOCK answers 0 for a wait that timed out, and NULL for an interrupted one.
         return None
 
+    def lock_statements(
+        self,
+        key: LockKey,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> tuple[Statement | None, Statement | None]:
+        return None, None if transaction else self.unlock_statement(key, shared=shared)
+
     def lock_identity(self, key: LockKey) -> Hashable:
         # GET_LOCK locks names, not keys: two names whose keys collide (easy with the
         # rails scheme's CRC32) are two different locks here.

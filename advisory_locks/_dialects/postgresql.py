@@ -11,7 +11,7 @@ import math
 import warnings
 from collections.abc import Hashable
 from functools import cache, lru_cache
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from advisory_locks._core.contract import Timeout
 from advisory_locks._core.executors import protocol_session_id
@@ -26,6 +26,8 @@ from advisory_locks.errors import (
 from advisory_locks.keys import LockKey
 
 __all__ = ["PostgresBackend"]
+
+T = TypeVar("T")
 
 # lock_timeout is an int GUC in milliseconds; 0 would mean "wait forever".
 MAX_TIMEOUT_MS: Final = 2**31 - 1
@@ -174,6 +176,31 @@ class PostgresBackend:
             statement = _lock_statement(key.ints, shared, transaction, timeout)
             _remember(_lock_statements, made, statement)
         return statement
+
+    def lock_statements(
+        self,
+        key: LockKey,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> tuple[Statement | None, Statement | None]:
+        # lock_statement() answers None inside a transaction unless timeout=0.
+        made = (key.ints, shared, transaction, timeout, in_transaction and timeout != 0)
+        statements = _statement_pairs.get(made)
+        if statements is None:
+            statements = (
+                self.lock_statement(
+                    key,
+                    shared=shared,
+                    transaction=transaction,
+                    timeout=timeout,
+                    in_transaction=in_transaction,
+                ),
+                None if transaction else self.unlock_statement(key, shared=shared),
+            )
+            _remember(_statement_pairs, made, statements)
+        return statements
 
     def lock_identity(self, key: LockKey) -> Hashable:
         return key.ints
@@ -416,11 +443,13 @@ def _lock_statement(
 # them. Emptied when full, which only costs the next few locks the making again.
 _lock_statements: dict[tuple[object, ...], Statement] = {}
 _unlock_statements: dict[tuple[object, ...], Statement] = {}
+# lock_statements()' answers, one lookup per lock.
+_statement_pairs: dict[tuple[object, ...], tuple[Statement | None, Statement | None]] = {}
 STATEMENT_CACHE_LIMIT: Final = 1024
 
 
 def _remember(
-    statements: dict[tuple[object, ...], Statement], made: tuple[object, ...], statement: Statement
+    statements: dict[tuple[object, ...], T], made: tuple[object, ...], statement: T
 ) -> None:
     if len(statements) >= STATEMENT_CACHE_LIMIT:
         statements.clear()

@@ -126,6 +126,16 @@ class SQLiteBackend:
         # The lock is a file this process locks; the statement only checks the connection.
         return None
 
+    def lock_statements(
+        self,
+        key: LockKey,
+        shared: bool,
+        transaction: bool,
+        timeout: Timeout,
+        in_transaction: bool,
+    ) -> tuple[Statement | None, Statement | None]:
+        return None, None
+
     def lock_identity(self, key: LockKey) -> Hashable:
         return key.ints  # the lock file is named after the key
 
