@@ -80,10 +80,6 @@ _INT_TYPES: Final = frozenset((_INT2, _INT4, _INT8, 26))  # oid too
 
 _STATE_KEY: Final = "advisory_locks.libpq"
 
-# LibpqStatements._send's answers besides NOT_SENT.
-_SENT: Final = object()
-_PREPARE: Final = object()
-
 _PLACEHOLDER: Final = re.compile(r"%(.|$)", re.DOTALL)
 
 
@@ -162,20 +158,35 @@ class LibpqStatements:
             plan = self._new_plan(key, len(values))
         if plan is None:
             return NOT_SENT
-        connection = self.connection
+        connection, pgconn = self.connection, self.pgconn
         with connection.lock:
-            sent = self._send(plan, values, outside)
-            if sent is _SENT:
-                result = connection.wait(self._execute(self.pgconn))[-1]
-            elif sent is _PREPARE:
-                result = connection.wait(self._prepare_and_run(plan, values))
-            else:
+            # self._send(plan, values, outside), written out: run for every lock
+            # statement.
+            if (
+                pgconn.transaction_status != _IDLE
+                or not (connection._autocommit or outside)
+                or connection._pipeline is not None
+                or pgconn.status != _OK
+            ):
                 return NOT_SENT
-            if result.status == _FATAL_ERROR and plan.name is not None:
+            threshold = connection.prepare_threshold
+            name = plan.name
+            if threshold is None:  # nothing prepared, nor counted (as psycopg counts none)
+                pgconn.send_query_params(plan.command, values, plan.types)
+                rounds = self._execute(pgconn)
+            elif name is not None:
+                pgconn.send_query_prepared(name, values)
+                rounds = self._execute(pgconn)
+            else:
+                rounds = self._unprepared(plan, values, threshold)
+            result = connection.wait(rounds)[-1]
+            status = result.status
+            if status == _FATAL_ERROR and plan.name is not None:
                 again = self._send_again(plan, values, result)
                 if again is not None:
                     result = connection.wait(again)[-1]
-        if result.status == _TUPLES_OK and result.ntuples:  # a lock's answers, at once
+                    status = result.status
+        if status == _TUPLES_OK and result.ntuples:  # a lock's answers, at once
             kind = result.ftype(0)
             if kind == _BOOL:
                 value = result.get_value(0, 0)
@@ -192,13 +203,10 @@ class LibpqStatements:
         plan, values = planned
         connection = self.connection
         async with connection.lock:
-            sent = self._send(plan, values, False)
-            if sent is _SENT:
-                result = (await connection.wait(self._execute(self.pgconn)))[-1]
-            elif sent is _PREPARE:
-                result = await connection.wait(self._prepare_and_run(plan, values))
-            else:
+            rounds = self._send(plan, values, False)
+            if rounds is None:
                 return NOT_SENT
+            result = (await connection.wait(rounds))[-1]
             if result.status == _FATAL_ERROR and plan.name is not None:
                 again = self._send_again(plan, values, result)
                 if again is not None:
@@ -225,13 +233,14 @@ class LibpqStatements:
         plan = self._plans[key] = None if command is None else _Plan(command, key[1])
         return plan
 
-    def _send(self, plan: _Plan, values: list[bytes], outside: bool) -> object:
-        """With the connection's lock held: send the statement where one round trip runs
-        it (``_SENT``: its result is next); ``_PREPARE`` where its time to be prepared has
-        come (nothing sent: ``_prepare_and_run`` does both); ``NOT_SENT`` where the
-        connection is not idle in autocommit (or idle, with ``outside``) outside a
-        pipeline. Asked under the lock, which another thread or task may hold to open a
-        transaction or a pipeline."""
+    def _send(self, plan: _Plan, values: list[bytes], outside: bool) -> Any:
+        """With the connection's lock held: the round trips that run the statement, for
+        the connection's ``wait()``, their last result the statement's (sent now where one
+        round trip runs it; where its time to be prepared has come, nothing is sent yet:
+        ``_prepare_and_run`` does both); None, with nothing sent, where the connection is
+        not idle in autocommit (or idle, with ``outside``) outside a pipeline. Asked under
+        the lock, which another thread or task may hold to open a transaction or a
+        pipeline."""
         connection, pgconn = self.connection, self.pgconn
         if (
             pgconn.transaction_status != _IDLE
@@ -239,25 +248,30 @@ class LibpqStatements:
             or connection._pipeline is not None
             or pgconn.status != _OK
         ):
-            return NOT_SENT
+            return None
         threshold = connection.prepare_threshold
         if threshold is None:  # nothing prepared, nor counted (as psycopg counts none)
             pgconn.send_query_params(plan.command, values, plan.types)
-            return _SENT
+            return self._execute(pgconn)
         name = plan.name
         if name is not None:
             pgconn.send_query_prepared(name, values)
-        elif plan.count < threshold:
+            return self._execute(pgconn)
+        return self._unprepared(plan, values, threshold)
+
+    def _unprepared(self, plan: _Plan, values: list[bytes], threshold: int) -> Any:
+        """``_send``'s round trips for a statement not prepared yet: sent unprepared
+        until it has been ``threshold`` times, as psycopg counts, then prepared."""
+        if plan.count < threshold:
             plan.count += 1
-            pgconn.send_query_params(plan.command, values, plan.types)
-        else:
-            return _PREPARE
-        return _SENT
+            self.pgconn.send_query_params(plan.command, values, plan.types)
+            return self._execute(self.pgconn)
+        return self._prepare_and_run(plan, values)
 
     def _prepare_and_run(self, plan: _Plan, values: list[bytes]) -> Any:
         """Prepare the statement, then run it: round trips for the connection's
-        ``wait()`` (psycopg's ``PQGen``), returning the statement's result (or the
-        preparation's error)."""
+        ``wait()`` (psycopg's ``PQGen``), returning results whose last is the statement's
+        (or the preparation's error), as psycopg's ``execute`` generator does."""
         pgconn, execute = self.pgconn, self._execute
         name = _name(plan)
         pgconn.send_prepare(name, plan.command, plan.types)
@@ -266,10 +280,10 @@ class LibpqStatements:
         # object (behind a session pooler), under the name of this very text and these
         # types.
         if result.status == _FATAL_ERROR and result.error_field(_SQLSTATE) != _EXISTS:
-            return result
+            return [result]
         plan.name = name
         pgconn.send_query_prepared(name, values)
-        return (yield from execute(pgconn))[-1]
+        return (yield from execute(pgconn))
 
     def _send_again(self, plan: _Plan, values: list[bytes], result: Any) -> Any:
         """After a statement of a prepared ``plan`` failed with ``result``: where the
