@@ -59,6 +59,7 @@ from advisory_locks._bindings._sqlalchemy_compat import (
     static_pool_checkout,
     transaction_connections,
 )
+from advisory_locks._core import connection as _connection_module
 from advisory_locks._core.advisory import (
     AdvisoryLock,
     AdvisoryLockSet,
@@ -301,7 +302,7 @@ def _check_out(engine: Engine, keys: tuple[LockKey, ...]) -> PoolProxiedConnecti
     if in_use is not None and _opened_here(in_use):
         return check_out_again(in_use)
     try:
-        return _own_connection(engine)
+        return _own_connection(engine, engine.raw_connection())
     except sqlalchemy_errors.TimeoutError as error:
         raise _no_connection(engine, keys) from error
 
@@ -968,22 +969,37 @@ class PooledBorrow(_SettledAtOnce):
         "state",
     )
 
-    def __init__(self, engine: Engine, backend: Backend, keys: tuple[LockKey, ...]) -> None:
+    def __init__(
+        self, engine: Engine, registry: _EngineLocks, keys: tuple[LockKey, ...], users: int = 0
+    ) -> None:
+        """Check a connection out of ``engine`` (whose ``_engine_locks()`` the
+        ``registry`` is) for locks; lent to ``users`` locks already (``lend`` lends it to
+        more)."""
         self.engine = engine
-        self._registry = registry = _engine_borrows(engine)
+        self._registry = registry
+        backend = registry.backend
         single = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
         if single:
             fairy = _check_out(engine, keys)
+            info = fairy.info
         else:
-            # _check_out(), without its StaticPool's question
+            # _check_out(), without its StaticPool's question, and _own_connection()'s
+            # first round, without the call: the connection this process opened.
             try:
-                fairy = _own_connection(engine)
+                fairy = engine.raw_connection()
             except sqlalchemy_errors.TimeoutError as error:
                 raise _no_connection(engine, keys) from error
+            info = fairy.info
+            connected = info.get(CONNECTED_INFO_KEY)
+            if connected is None or connected[0] != _connection_module._process_id:
+                try:
+                    fairy = _own_connection(engine, fairy)
+                except sqlalchemy_errors.TimeoutError as error:
+                    raise _no_connection(engine, keys) from error
+                info = fairy.info
         self.fairy = fairy
         self._out = True
-        self._users = 0
-        info = fairy.info
+        self._users = users
         dbapi = fairy.dbapi_connection
         # The state and executor of an earlier lock's checkout of this DB-API connection
         # (see _PooledParts), else those connection_state() and executor_for() make:
@@ -993,70 +1009,89 @@ class PooledBorrow(_SettledAtOnce):
             parts = _PooledParts(fairy, backend)
         self.state = state = parts.state
         executor: Any = parts.executor
+        pgconn = parts.pgconn
+        if (
+            not single
+            and pgconn is not None
+            and executor._libpq is not None
+            and pgconn.transaction_status == PQTRANS_IDLE
+            and executor.connection._pipeline is None
+        ):
+            # The usual checkout (psycopg 3, idle, a pool of many, its statements sent
+            # through libpq): not in a transaction, so not shared, and left in its mode
+            # (see _OwnCheckoutExecutor). Given back with a plain close(): a checkout of
+            # a pool of many is its connection's newest, and a connection no one else
+            # uses has no transaction of anyone's open (see _give_back()).
+            own = parts.own
+            if own is None:
+                own = parts.own = _OwnCheckoutExecutor(info, dbapi, executor)
+            self.shared = False
+            self.plain = True
+            self.executor: Any = own
+        else:
+            try:
+                self._set_up(single, backend, info, dbapi, executor)
+            except BaseException as error:
+                self._failed(error, backend)
+        options = engine.get_execution_options()
+        pooler = registry.pooler if options is registry.options else registry.declared(options)
+        if pooler is not None or state.behind_proxy is not False:  # not server_checked()
+            try:
+                _check_server_once(state, self.executor, fairy, pooler, session_lock=True)
+            except BaseException as error:
+                self._failed(error, backend)
+        registry.borrows[id(self)] = weakref.ref(self, registry.collected)  # registry.add()
+
+    def _set_up(
+        self, single: bool, backend: Backend, info: dict[Any, Any], dbapi: Any, executor: Any
+    ) -> None:
+        """Every checkout but the usual one: whether the connection is shared with the
+        application (a single-connection pool, a transaction open on it), and its mode."""
+        self.shared = self.plain = False  # until known: what _failed() gives back
         claimed = False
         if not single and backend.locks_on_server:
-            pgconn = parts.pgconn
-            if (
-                pgconn is not None
-                and executor._libpq is not None
-                and pgconn.transaction_status == PQTRANS_IDLE
-                and executor.connection._pipeline is None
-            ):
-                # The usual checkout (psycopg 3, idle, a pool of many, its statements
-                # sent through libpq): not in a transaction, so not shared, and left in
-                # its mode (see _OwnCheckoutExecutor).
+            # On psycopg 3 idle: not shared, and switched to autocommit, in one read of
+            # the connection (_claim_autocommit(), without the call).
+            previous = claim_idle_autocommit(dbapi)
+            if previous is not None:
                 claimed = True
-                own = parts.own
-                if own is None:
-                    own = parts.own = _OwnCheckoutExecutor(info, dbapi, executor)
-                executor = own
-            else:
-                # Else, on psycopg 3 idle: not shared either, and switched to autocommit,
-                # in one read of the connection (_claim_autocommit(), without the call).
-                previous = claim_idle_autocommit(dbapi)
-                if previous is not None:
-                    claimed = True
-                    if not previous:
-                        info[AUTOCOMMIT_INFO_KEY] = (False,)
+                if not previous:
+                    info[AUTOCOMMIT_INFO_KEY] = (False,)
+        fairy = self.fairy
         if claimed:
             self.shared = False
         else:
             self.shared = single or driver_in_transaction(_driver(fairy)) is True
             if self.shared:
                 _lock_checkouts(info).add(self)
-        # Given back with a plain close(): a checkout of a pool of many is its
-        # connection's newest, and a connection no one else uses has no transaction of
-        # anyone's open (see _give_back()).
         self.plain = not single and not self.shared
-        try:
-            if self.shared:
-                # The application's connection too: its mode stays as the application set
-                # it, and a transaction open on it is joined (see _AutocommitExecutor).
-                self.executor: Any = (
-                    _AutocommitExecutor(fairy, lambda: _inside_transaction(fairy))
-                    if backend.locks_on_server
-                    else executor
-                )
-            else:
-                if not claimed and backend.locks_on_server and not driver_autocommit(dbapi):
-                    info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
-                self.executor = executor
-            options = engine.get_execution_options()
-            pooler = registry.pooler if options is registry.options else registry.declared(options)
-            if pooler is not None or state.behind_proxy is not False:  # not server_checked()
-                _check_server_once(state, self.executor, fairy, pooler, session_lock=True)
-        except BaseException as error:
-            if isinstance(error, Exception) and (
-                backend.is_connection_failure(error) or self.is_disconnect(error)
-            ):
-                self._out = False
-                _lock_checkouts(fairy.info).discard(self)
-                report_pooled_disconnect(engine, fairy, error)
-                fairy.close()
-                raise LockConnectionLost(str(error)) from error
-            self._give_back()
-            raise
-        registry.add(self)
+        if self.shared:
+            # The application's connection too: its mode stays as the application set
+            # it, and a transaction open on it is joined (see _AutocommitExecutor).
+            self.executor = (
+                _AutocommitExecutor(fairy, lambda: _inside_transaction(fairy))
+                if backend.locks_on_server
+                else executor
+            )
+        else:
+            self.executor = executor
+            if not claimed and backend.locks_on_server and not driver_autocommit(dbapi):
+                info[AUTOCOMMIT_INFO_KEY] = (set_driver_autocommit(dbapi, True),)
+
+    def _failed(self, error: BaseException, backend: Backend) -> NoReturn:
+        """Setting the checkout up failed: give it back (discarded where the connection
+        is gone), and raise what the error means."""
+        fairy = self.fairy
+        if isinstance(error, Exception) and (
+            backend.is_connection_failure(error) or self.is_disconnect(error)
+        ):
+            self._out = False
+            _lock_checkouts(fairy.info).discard(self)
+            report_pooled_disconnect(self.engine, fairy, error)
+            fairy.close()
+            raise LockConnectionLost(str(error)) from error
+        self._give_back()
+        raise error
 
     def lend(self) -> PooledBorrow:
         self._users += 1
@@ -1084,8 +1119,13 @@ class PooledBorrow(_SettledAtOnce):
 
     def done(self) -> None:
         self._users -= 1
-        if self._users <= 0:
-            self._give_back()
+        if self._users <= 0 and self._out:
+            if self.plain:  # self._give_back(), without the call
+                self._out = False
+                self._registry.borrows.pop(id(self), None)
+                self.fairy.close()
+            else:
+                self._give_back()
 
     def broken(self, error: BaseException) -> None:
         self._users -= 1
@@ -1121,8 +1161,9 @@ def _dialect_disconnect(dialect: Dialect, error: Exception, fairy: Any) -> bool:
         return False
 
 
-def _own_connection(engine: Engine) -> PoolProxiedConnection:
-    """A pooled connection this process opened.
+def _own_connection(engine: Engine, fairy: PoolProxiedConnection) -> PoolProxiedConnection:
+    """``fairy``, a checkout of ``engine``'s pool, if this process opened its connection,
+    else a pooled connection this process opened.
 
     In a forked child the pool may hand out a connection the parent opened, whose server
     session the parent goes on using: a lock taken there would be the parent's too (the
@@ -1131,7 +1172,6 @@ def _own_connection(engine: Engine) -> PoolProxiedConnection:
     fresh one in its place. Every round cuts one inherited connection, so this ends.
     """
     while True:
-        fairy = engine.raw_connection()
         connected = fairy.info.get(CONNECTED_INFO_KEY)
         if connected is not None and connected[0] == current_process_id():
             return fairy
@@ -1139,61 +1179,97 @@ def _own_connection(engine: Engine) -> PoolProxiedConnection:
             return fairy
         cut_from_pool(fairy)
         fairy.close()
+        fairy = engine.raw_connection()
 
 
-class _EngineBorrows(weakref.WeakSet[PooledBorrow]):
-    """An engine's lock borrows out now, and the pooler its execution options declare
-    (an engine's options are replaced, never changed, when it is given new ones)."""
+class _EngineLocks:
+    """What an engine's locks share: its backend, the pooler its execution options
+    declare (an engine's options are replaced, never changed, when it is given new ones),
+    and its lock borrows out now, weakly (a lock object dropped while held must not keep
+    its checkout from going back to the pool when it is collected)."""
 
-    options: object = None
-    pooler: object = None
+    __slots__ = ("__weakref__", "backend", "borrows", "collected", "options", "pooler")
+
+    def __init__(self, engine: Engine) -> None:
+        self.backend = _backend_for(engine)
+        self.borrows: dict[int, weakref.ref[PooledBorrow]] = {}
+        # The borrows' references' callback, made once rather than a bound method per
+        # borrow, and referring to this weakly: no reference cycle for the collector.
+        registry = weakref.ref(self)
+
+        def collected(reference: weakref.ref[PooledBorrow]) -> None:
+            found = registry()
+            if found is not None:
+                found._collected(reference)
+
+        self.collected = collected
+        self.options: object = None
+        self.pooler: object = None
 
     def declared(self, options: Any) -> object:
         pooler = _declared_pooler(options)
         self.options, self.pooler = options, pooler
         return pooler
 
+    def add(self, borrow: PooledBorrow) -> None:
+        self.borrows[id(borrow)] = weakref.ref(borrow, self.collected)
 
-# Each engine's lock borrows, by id(engine): a WeakKeyDictionary would make a weak
-# reference to the engine at every lookup, twice per Engine lock. The entry goes when
-# the engine does (its id cannot be reused before then).
-_borrows_by_engine: dict[int, _EngineBorrows] = {}
+    def discard(self, borrow: PooledBorrow) -> None:
+        self.borrows.pop(id(borrow), None)
+
+    def _collected(self, reference: weakref.ref[PooledBorrow]) -> None:
+        # A borrow collected while out (its lock object dropped unreleased). Looked for
+        # by its reference: its id may already be another borrow's.
+        for key, kept in list(self.borrows.items()):
+            if kept is reference:
+                self.borrows.pop(key, None)
+
+    def out(self) -> list[PooledBorrow]:
+        """The borrows out now."""
+        return [borrow for reference in list(self.borrows.values()) if (borrow := reference())]
 
 
-def _engine_borrows(engine: Engine) -> _EngineBorrows:
-    borrows = _borrows_by_engine.get(id(engine))
-    if borrows is None:
-        made = _EngineBorrows()
-        borrows = _borrows_by_engine.setdefault(id(engine), made)
-        if borrows is made:
-            weakref.finalize(engine, _borrows_by_engine.pop, id(engine), None)
-    return borrows
+# Each engine's lock parts, by id(engine): a WeakKeyDictionary would make a weak
+# reference to the engine at every lookup. The entry goes when the engine does (its id
+# cannot be reused before then).
+_locks_by_engine: dict[int, _EngineLocks] = {}
+
+
+def _engine_locks(engine: Engine) -> _EngineLocks:
+    locks = _locks_by_engine.get(id(engine))
+    if locks is None:
+        made = _EngineLocks(engine)
+        locks = _locks_by_engine.setdefault(id(engine), made)
+        if locks is made:
+            weakref.finalize(engine, _locks_by_engine.pop, id(engine), None)
+    return locks
 
 
 class EngineSite:
     """Each lock takes its own pooled connection."""
 
-    __slots__ = ("backend", "engine", "keys")
+    __slots__ = ("backend", "engine", "keys", "locks")
     binding = "sqlalchemy"
 
     def __init__(self, engine: Engine, keys: tuple[LockKey, ...] = ()) -> None:
         self.engine = engine
-        self.backend = _backend_for(engine)
+        self.locks = locks = _engine_locks(engine)
+        self.backend = locks.backend
         self.keys = keys
 
     def borrow(self, *, transaction: bool) -> Any:
-        return PooledBorrow(self.engine, self.backend, self.keys).lend()
+        return PooledBorrow(self.engine, self.locks, self.keys, 1)
 
     def held_names(self) -> list[LockName]:
         return [
-            name for borrow in list(_engine_borrows(self.engine)) for name in borrow.state.names()
+            name for borrow in _engine_locks(self.engine).out() for name in borrow.state.names()
         ]
 
     def holds_anywhere(self, key: LockKey) -> bool:
         """Whether a lock of this engine (any thread's) holds ``key``."""
         return any(
             holding.key.ints == key.ints
-            for borrow in list(_engine_borrows(self.engine))
+            for borrow in _engine_locks(self.engine).out()
             for holding in list(borrow.state.holdings.values())
         )
 
@@ -1211,7 +1287,7 @@ class SharedEngineSite(EngineSite):
         # A borrow goes back to the pool once none of its locks is held, so a set taken
         # again after its release checks out a fresh one.
         if self._borrow is None or self._borrow.returned:
-            self._borrow = PooledBorrow(self.engine, self.backend, self.keys)
+            self._borrow = PooledBorrow(self.engine, self.locks, self.keys)
         return self._borrow.lend()
 
 
@@ -1504,7 +1580,7 @@ class SessionSite:
         self._refuse_waiting_for_itself(transaction=False)
         borrow = self._pooled_borrow()
         if borrow is None:
-            borrow = PooledBorrow(bind, self.backend, self.keys)
+            borrow = PooledBorrow(bind, _engine_locks(bind), self.keys)
             # Only the locks keep the borrow alive: once every lock object using it is
             # gone, its connection is collected and the pool guard unlocks what they
             # left, even while this Session lives on.
@@ -1749,16 +1825,14 @@ def _guard_checkin(dbapi_connection: DBAPIConnection | None, record: ConnectionP
         return
     info = record.info
     state = info.get(STATE_INFO_KEY)
-    if isinstance(state, ConnectionState) and state.inherited:
+    if state is not None and state.inherited:
         # A forked child checking in its copy of a parent's connection: the locks and
         # the session settings are the parent's; send nothing.
         return
     try:
         # A connection this library recorded nothing on (every lock's checkout, once its
         # lock is released) needs only its autocommit mode back.
-        if isinstance(state, ConnectionState) and (
-            state.holdings or state.savepoints or state.pending_release
-        ):
+        if state is not None and (state.holdings or state.savepoints or state.pending_release):
             state.transaction_ended("rollback")
             # On a single-connection pool another user's checkout comes back while a
             # lock's own checkout still holds the connection: its locks stay.
