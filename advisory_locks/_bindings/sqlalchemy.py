@@ -326,11 +326,6 @@ def _opener(fairy: PoolProxiedConnection) -> int:
     return opener
 
 
-def _connect(engine: Engine, keys: tuple[LockKey, ...]) -> Connection:
-    """A Connection for locks, on a connection checked out like ``_check_out``."""
-    return connection_on(engine, _check_out(engine, keys))
-
-
 def _give_back(fairy: PoolProxiedConnection, *, shared: bool) -> None:
     """Give back a lock's checkout, never resetting a connection someone else now uses.
 
@@ -1328,23 +1323,34 @@ class SessionPin:
         self, session: Session, engine: Engine, backend: Backend, keys: tuple[LockKey, ...]
     ) -> None:
         joined = _transaction_connection_to(session, engine)
+        single = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
         if joined is not None:
-            self.connection = connection_on(engine, check_out_again(joined.connection))
+            fairy = check_out_again(joined.connection)
+        elif single:
+            fairy = _check_out(engine, keys)
         else:
-            self.connection = _connect(engine, keys)
+            # _check_out() of a pool of many: a connection this process opened.
+            try:
+                fairy = engine.raw_connection()
+                connected = fairy.info.get(CONNECTED_INFO_KEY)
+                if connected is None or connected[0] != _connection_module._process_id:
+                    fairy = _own_connection(engine, fairy)
+            except sqlalchemy_errors.TimeoutError as error:
+                raise _no_connection(engine, keys) from error
+        self.connection = connection_on(engine, fairy)
+        if joined is None:
             session.bind = self.connection
         self.session = weakref.ref(session)
         self.engine = engine
         self.backend = backend
         self.joined = joined
-        self.fairy = fairy = self.connection.connection
+        self.fairy = fairy
         parts = _pooled_parts(fairy, backend)
         self.state = parts.state
         self.executor = parts.executor
         self._borrow: weakref.ref[PinnedBorrow] | None = None
         self._pinned = True
         self.sends_outside = False
-        single = isinstance(engine.pool, SINGLE_CONNECTION_POOLS)
         own = joined is None and not single and backend.locks_on_server
         if own and _libpq_idle(parts):
             # A checkout of its own from a pool of many (psycopg 3, idle, its statements
@@ -1394,13 +1400,13 @@ class SessionPin:
         # A lock object that is gone can no longer release its lock: what it left is
         # released by the pool guard when the connection goes back.
         alive = self._borrow is not None and self._borrow() is not None
-        return alive and bool(self.state.session_holdings())
+        return alive and self.state.holds_session_locks()
 
     def _in_use_by_session(self) -> bool:
         return self.joined is None and self.connection.in_transaction()
 
     def lock_done(self) -> None:
-        if not self.state.session_holdings() and not self._in_use_by_session():
+        if not self.state.holds_session_locks() and not self._in_use_by_session():
             self.unpin()
 
     def lock_objects_gone(self) -> None:
@@ -1513,7 +1519,8 @@ class PinnedBorrow(_SettledAtOnce):
             return  # a forked child's copy: nothing may be sent (the lock refuses it)
         try:
             pooler = _declared_pooler(pin.connection.get_execution_options())
-            _check_server_once(self.state, self.executor, fairy, pooler, session_lock=True)
+            if pooler is not None or self.state.behind_proxy is not False:  # server_checked()
+                _check_server_once(self.state, self.executor, fairy, pooler, session_lock=True)
         except Exception as error:
             if not (pin.backend.is_connection_failure(error) or self.is_disconnect(error)):
                 raise

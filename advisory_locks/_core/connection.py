@@ -284,6 +284,13 @@ class ConnectionState:
     def session_holdings(self) -> list[Holding]:
         return [h for h in self.holdings.values() if not h.transaction] + self.pending_release
 
+    def holds_session_locks(self) -> bool:
+        """``bool(session_holdings())``, without building the list."""
+        # A copy of the holdings: see names().
+        return bool(self.pending_release) or any(
+            not holding.transaction for holding in list(self.holdings.values())
+        )
+
     def names(self) -> list[LockName]:
         # A copy first: another thread's lock may file or forget a holding meanwhile
         # (current_advisory_locks(pool) reads every borrow's state).
