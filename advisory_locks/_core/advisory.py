@@ -265,8 +265,8 @@ class AdvisoryLock(LockContract):
 
     def release(self) -> None:
         """Give the lock back (a transaction lock stays with its transaction)."""
-        # arelease() is the same rules, awaited; the first part is _count_out(), written
-        # out.
+        # arelease() is the same rules, awaited. First this holder is counted out; the
+        # rest runs only for the object's last holder.
         holding, borrowed = self._holding, self._borrowed
         if not self._count or holding is None or borrowed is None:
             raise self._not_held()
@@ -281,8 +281,8 @@ class AdvisoryLock(LockContract):
             self._let_go()
             run_steps(self._release_without_unlock(holding, borrowed), self._site)
             return
-        # The object lets go after the unlock (see _count_out()), which a waiter on the
-        # lock need not wait for either.
+        # The object lets go after the unlock (see below, "The parts of a release"),
+        # which a waiter on the lock need not wait for either.
         statement = holding.unlock
         if statement is None:
             statement = self._site.backend.unlock_statement(
@@ -561,12 +561,18 @@ class AdvisoryLock(LockContract):
 
     async def arelease(self) -> None:
         """``release()`` on a site whose connections are awaited (see ``aacquire``)."""
-        counted = self._count_out()
-        if counted is None:
-            return
-        holding, borrowed = counted
-        site = self._site
+        # Counted out as in release().
+        holding, borrowed = self._holding, self._borrowed
+        if not self._count or holding is None or borrowed is None:
+            raise self._not_held()
         state = borrowed.state
+        if state.observes:
+            state.observe()
+        self._count -= 1
+        holding.count -= 1
+        if self._count:
+            return
+        site = self._site
         if holding.count > 0 or holding.transaction or state.inherited or not holding.active:
             self._let_go()
             await arun_steps(self._release_without_unlock(holding, borrowed), site)
@@ -600,28 +606,13 @@ class AdvisoryLock(LockContract):
     # no other thread or task can claim it and count itself into a holding that unlock
     # is about to end (see _reenter()).
 
-    def _count_out(self) -> tuple[Holding, Borrowed] | None:
-        """Count this holder out; the holding and its connection when this was the
-        object's last holder (None while an outer holder of this object still counts)."""
-        holding, borrowed = self._holding, self._borrowed
-        if not self._count or holding is None or borrowed is None:
-            raise self._not_held()
-        state = borrowed.state
-        if state.observes:
-            state.observe()
-        self._count -= 1
-        holding.count -= 1
-        if self._count:
-            return None
-        return holding, borrowed
-
     def _let_go(self) -> None:
         """The object no longer holds anything, nor belongs to a thread or task."""
         self._holding = self._borrowed = None
         self._owner = None
 
     def _count_in_again(self, holding: Holding) -> None:
-        """Undo ``_count_out``: the unlock was refused before anything was sent (a psycopg
+        """Undo the counting out: the unlock was refused before anything was sent (a psycopg
         pipeline), so the server still holds the lock, and this object for its owner."""
         self._count = 1
         holding.count += 1
