@@ -264,13 +264,7 @@ class ConnectionState:
     def end(self, holding: Holding, reason: str) -> None:
         """The server no longer holds ``holding`` (``reason`` as a ``released`` event
         says it): forget it, and report its end."""
-        entry = holding.entry  # self.forget(holding), written out: run at every release
-        if entry is None:
-            entry = self._entry(holding.key, holding.shared, holding.transaction)
-        with self.mutex:
-            holding.active = False
-            if self.holdings.get(entry) is holding:
-                del self.holdings[entry]
+        self.forget(holding)  # a binding's state may forget more (Django's commit hooks)
         if holding.source is not None:  # report_end's first test, asked before the call
             report_end(holding, reason)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import Callable
 
@@ -14,6 +15,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 
 from advisory_locks import AdvisoryLock, LockUsageError
+from advisory_locks._core.connection import Holding
 from advisory_locks_django import (
     DjangoAdvisoryLock,
     LockLost,
@@ -281,6 +283,20 @@ def test_a_transaction_lock_lives_until_the_outer_atomic_rolls_back(admin: Admin
         assert holders(admin, name) == [server_pid()]
         transaction.set_rollback(True)
     assert holders(admin, name) == []
+
+
+def test_a_transaction_lock_leaves_nothing_behind_once_its_transaction_ends() -> None:
+    # Each transaction lock watches its transaction until it ends: kept any longer, a
+    # connection's thousandth lock would carry the 999 before it, and look through them.
+    name = unique_name()
+    for rollback in (False, True, False, True):
+        with transaction.atomic():
+            with advisory_lock(name, transaction=True):
+                pass
+            transaction.set_rollback(rollback)
+    gc.collect()
+    left = [held for held in gc.get_objects() if isinstance(held, Holding)]
+    assert [held for held in left if held.key.name == name] == []
 
 
 def test_a_savepoint_rollback_releases_a_transaction_lock_taken_inside_it(admin: Admin) -> None:
