@@ -38,6 +38,7 @@ from advisory_locks import (
     current_advisory_locks,
 )
 from advisory_locks._bindings import _asyncpg_compat, _psycopg_pool_compat
+from advisory_locks.asyncpg import LockPoolClosed as AsyncpgPoolClosed
 from advisory_locks.psycopg_pool import LockConnectionTimeout, LockPoolClosed
 from tests.helpers import (
     backend_alive,
@@ -855,6 +856,43 @@ async def test_a_closed_psycopg_pool_refuses_a_lock_with_lock_pool_closed(dsn: s
     assert "while it is open" in str(error)
     assert not lock.held
     assert current_advisory_locks(pool) == []
+    assert is_free(dsn, name)
+
+
+async def test_a_closed_asyncpg_pool_refuses_a_lock_with_lock_pool_closed(dsn: str) -> None:
+    name = unique_name("asyncpg-pool-closed")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    await pool.close()
+    lock = advisory_lock(pool, name)
+    with pytest.raises(AsyncpgPoolClosed) as raised:
+        await lock.acquire()
+    error = raised.value
+    assert isinstance(error, asyncpg.InterfaceError)  # asyncpg's own class, too
+    assert isinstance(error, LockUsageError)
+    assert type(error.__cause__) is asyncpg.InterfaceError
+    assert error.name == name
+    assert str(error) == (
+        f"advisory lock {name!r} needs a connection from an asyncpg pool that is closed or "
+        "closing: pool is closed. Take locks on a pool before its close()."
+    )
+    assert not lock.held
+    assert current_advisory_locks(pool) == []
+    assert is_free(dsn, name)
+
+
+async def test_a_closing_asyncpg_pool_refuses_a_lock_with_lock_pool_closed(dsn: str) -> None:
+    # close() waits for the connections checked out; a lock meanwhile gets none.
+    name = unique_name("asyncpg-pool-closing")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+    connection = await pool.acquire()
+    closing = asyncio.ensure_future(pool.close())
+    try:
+        await wait_until(pool.is_closing, "the pool is closing")
+        with pytest.raises(AsyncpgPoolClosed, match="closed or closing: pool is closing"):
+            await advisory_lock(pool, name).acquire()
+    finally:
+        await pool.release(connection)
+        await asyncio.wait_for(closing, 10)
     assert is_free(dsn, name)
 
 
