@@ -21,7 +21,7 @@ import psycopg2.extensions
 import pytest
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 
@@ -31,6 +31,7 @@ from advisory_locks import (
     LockLost,
     LockNotAcquired,
     LockTimeout,
+    LockUsageError,
     UnsupportedDatabase,
     UnsupportedFeature,
     advisory_lock,
@@ -42,8 +43,10 @@ from advisory_locks import (
 from advisory_locks._core.executors import DBAPIExecutor
 from advisory_locks._core.steps import VALUE, Statement
 from advisory_locks.keys import LockName
+from advisory_locks.psycopg_pool import LockConnectionTimeout, LockPoolClosed
 from advisory_locks.sqlalchemy import create_lease_table
 from tests.helpers import (
+    EventRecorder,
     backend_alive,
     holder_pids,
     lock_rows,
@@ -645,6 +648,97 @@ def test_a_lock_released_before_checkin_costs_the_pool_nothing(dsn: str, pg_admi
                 pass
         with pool.connection(timeout=10) as again:
             assert again.info.backend_pid == backend_pid
+
+
+# -- a pool that lends no connection ---------------------------------------------------------
+
+# How long the exhausted pools below wait for a connection before they give up.
+POOL_TIMEOUT_SECONDS = 0.2
+
+
+def test_an_exhausted_pool_refuses_a_lock_with_lock_connection_timeout(
+    dsn: str,
+) -> None:
+    name = unique_name("pool-exhausted")
+    with ConnectionPool(
+        dsn, min_size=1, max_size=1, timeout=POOL_TIMEOUT_SECONDS, open=True
+    ) as pool:
+        pool.wait()
+        lock = advisory_lock(pool, name)
+        # Another checkout holds the pool's only connection.
+        with pool.connection(), pytest.raises(LockConnectionTimeout) as raised:
+            lock.acquire()
+        error = raised.value
+        assert isinstance(error, PoolTimeout)  # psycopg_pool's own class, too
+        assert isinstance(error, AdvisoryLockError)
+        assert not isinstance(error, LockNotAcquired)  # the lock itself was never asked for
+        assert type(error.__cause__) is PoolTimeout
+        assert error.name == name
+        assert f"advisory lock {name!r} needed a connection" in str(error)
+        assert "timeout=0.2 s, max_size=1" in str(error)
+        assert "make max_size at least" in str(error)
+        # Nothing held, nothing taken from the pool or given back to it.
+        assert not held(lock)
+        assert current_advisory_locks(pool) == []
+        stats = pool.get_stats()
+        assert (stats["pool_size"], stats["pool_available"], stats["connections_num"]) == (1, 1, 1)
+        assert "returns_bad" not in stats
+        # A pool with room lends the next lock a connection, the refused object included.
+        with lock:
+            assert not is_free(dsn, name)
+        assert is_free(dsn, name)
+
+
+def test_an_exhausted_pool_refusing_a_lock_set_names_every_lock_of_the_set(dsn: str) -> None:
+    names = [unique_name("pool-exhausted-a"), unique_name("pool-exhausted-b")]
+    with ConnectionPool(
+        dsn, min_size=1, max_size=1, timeout=POOL_TIMEOUT_SECONDS, open=True
+    ) as pool:
+        with pool.connection(), pytest.raises(LockConnectionTimeout) as raised:
+            advisory_lock_set(pool, names).acquire()
+        assert raised.value.name is None
+        assert f"advisory locks {names!r} needed a connection" in str(raised.value)
+        with advisory_lock_set(pool, names, timeout=1):
+            assert not any(is_free(dsn, name) for name in names)
+
+
+def test_a_lock_refused_by_an_exhausted_pool_is_reported_not_acquired_for_an_error(
+    dsn: str, lock_events: EventRecorder
+) -> None:
+    # Not "timeout": that reason says the lock was busy, and nobody held it.
+    name = unique_name("pool-exhausted-event")
+    with (
+        ConnectionPool(
+            dsn, min_size=1, max_size=1, timeout=POOL_TIMEOUT_SECONDS, open=True
+        ) as pool,
+        pool.connection(),
+        pytest.raises(LockConnectionTimeout),
+    ):
+        advisory_lock(pool, name).acquire()
+    refused = lock_events.one(name, "not_acquired")
+    assert (refused.reason, refused.binding, refused.system) == ("error", "psycopg", "postgresql")
+    assert isinstance(refused.error, LockConnectionTimeout)
+
+
+def test_a_closed_pool_refuses_a_lock_with_lock_pool_closed(dsn: str) -> None:
+    name = unique_name("pool-closed")
+    pool = ConnectionPool(dsn, min_size=1, max_size=1, open=True)
+    pool.close()
+    lock = advisory_lock(pool, name)
+    with pytest.raises(LockPoolClosed) as raised:
+        lock.acquire()
+    error = raised.value
+    assert isinstance(error, PoolClosed)  # psycopg_pool's own class, too
+    assert isinstance(error, LockUsageError)
+    assert type(error.__cause__) is PoolClosed
+    assert error.name == name
+    assert f"advisory lock {name!r} needs a connection" in str(error)
+    assert f"the pool {pool.name!r} is already closed" in str(error)
+    assert "while it is open" in str(error)
+    assert error.diag.sqlstate is None  # a psycopg error whose psycopg attributes work
+    assert not held(lock)
+    assert current_advisory_locks(pool) == []
+    assert is_free(dsn, name)
 
 
 # -- prepared statements -----------------------------------------------------------------------

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 from sqlalchemy.engine import URL
 
 from advisory_locks import (
@@ -38,6 +38,8 @@ from advisory_locks import (
     current_advisory_locks,
 )
 from advisory_locks._bindings import _asyncpg_compat, _psycopg_pool_compat
+from advisory_locks.asyncpg import LockPoolClosed as AsyncpgPoolClosed
+from advisory_locks.psycopg_pool import LockConnectionTimeout, LockPoolClosed
 from tests.helpers import (
     backend_alive,
     holder_pids,
@@ -795,6 +797,103 @@ async def test_acquire_on_a_dead_connection_raises_a_typed_error(
     await wait_until(lambda: not backend_alive(pg_admin, pid), "the backend is gone")
     with pytest.raises(AdvisoryLockError, match=r"gone|closed|released"):
         await advisory_lock(connection, unique_name("async-dead"), timeout=1).acquire()
+
+
+# -- a pool that lends no connection ---------------------------------------------------------
+
+# How long the exhausted pool below waits for a connection before it gives up.
+POOL_TIMEOUT_SECONDS = 0.2
+
+
+async def test_an_exhausted_psycopg_pool_refuses_a_lock_with_lock_connection_timeout(
+    dsn: str,
+) -> None:
+    name = unique_name("async-pool-exhausted")
+    async with AsyncConnectionPool(
+        dsn, min_size=1, max_size=1, timeout=POOL_TIMEOUT_SECONDS, open=False
+    ) as pool:
+        await pool.wait()
+        lock = advisory_lock(pool, name)
+        async with pool.connection():  # another checkout holds the pool's only connection
+            with pytest.raises(LockConnectionTimeout) as raised:
+                await lock.acquire()
+        error = raised.value
+        assert isinstance(error, PoolTimeout)  # psycopg_pool's own class, too
+        assert isinstance(error, AdvisoryLockError)
+        assert not isinstance(error, LockNotAcquired)  # the lock itself was never asked for
+        assert type(error.__cause__) is PoolTimeout
+        assert error.name == name
+        assert f"advisory lock {name!r} needed a connection" in str(error)
+        assert "timeout=0.2 s, max_size=1" in str(error)
+        assert "make max_size at least" in str(error)
+        # Nothing held, nothing taken from the pool or given back to it.
+        assert not lock.held
+        assert current_advisory_locks(pool) == []
+        stats = pool.get_stats()
+        assert (stats["pool_size"], stats["pool_available"], stats["connections_num"]) == (1, 1, 1)
+        assert "returns_bad" not in stats
+        # A pool with room lends the next lock a connection, the refused object included.
+        async with lock:
+            assert not is_free(dsn, name)
+        assert is_free(dsn, name)
+
+
+async def test_a_closed_psycopg_pool_refuses_a_lock_with_lock_pool_closed(dsn: str) -> None:
+    name = unique_name("async-pool-closed")
+    pool = AsyncConnectionPool(dsn, min_size=1, max_size=1, open=False)
+    await pool.open()
+    await pool.close()
+    lock = advisory_lock(pool, name)
+    with pytest.raises(LockPoolClosed) as raised:
+        await lock.acquire()
+    error = raised.value
+    assert isinstance(error, PoolClosed)  # psycopg_pool's own class, too
+    assert isinstance(error, LockUsageError)
+    assert type(error.__cause__) is PoolClosed
+    assert error.name == name
+    assert f"advisory lock {name!r} needs a connection" in str(error)
+    assert f"the pool {pool.name!r} is already closed" in str(error)
+    assert "while it is open" in str(error)
+    assert not lock.held
+    assert current_advisory_locks(pool) == []
+    assert is_free(dsn, name)
+
+
+async def test_a_closed_asyncpg_pool_refuses_a_lock_with_lock_pool_closed(dsn: str) -> None:
+    name = unique_name("asyncpg-pool-closed")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+    await pool.close()
+    lock = advisory_lock(pool, name)
+    with pytest.raises(AsyncpgPoolClosed) as raised:
+        await lock.acquire()
+    error = raised.value
+    assert isinstance(error, asyncpg.InterfaceError)  # asyncpg's own class, too
+    assert isinstance(error, LockUsageError)
+    assert type(error.__cause__) is asyncpg.InterfaceError
+    assert error.name == name
+    assert str(error) == (
+        f"advisory lock {name!r} needs a connection from an asyncpg pool that is closed or "
+        "closing: pool is closed. Take locks on a pool before its close()."
+    )
+    assert not lock.held
+    assert current_advisory_locks(pool) == []
+    assert is_free(dsn, name)
+
+
+async def test_a_closing_asyncpg_pool_refuses_a_lock_with_lock_pool_closed(dsn: str) -> None:
+    # close() waits for the connections checked out; a lock meanwhile gets none.
+    name = unique_name("asyncpg-pool-closing")
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2)
+    connection = await pool.acquire()
+    closing = asyncio.ensure_future(pool.close())
+    try:
+        await wait_until(pool.is_closing, "the pool is closing")
+        with pytest.raises(AsyncpgPoolClosed, match="closed or closing: pool is closing"):
+            await advisory_lock(pool, name).acquire()
+    finally:
+        await pool.release(connection)
+        await asyncio.wait_for(closing, 10)
+    assert is_free(dsn, name)
 
 
 # -- no ORM, no greenlet ---------------------------------------------------------------------

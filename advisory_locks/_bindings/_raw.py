@@ -107,6 +107,7 @@ __all__ = [
     "declared_pooler",
     "execute_in_autocommit",
     "holds_at_checkin",
+    "locks_named",
     "release_at_checkin",
     "translate_error",
 ]
@@ -316,6 +317,17 @@ class RawDriver:
     # A pool bind's connections (for drivers that have pools).
     def checkout(self, pool: Any) -> Any:  # pragma: no cover - drivers with pools override
         raise TypeError(f"{type(pool).__name__} is not a pool")
+
+    def pool_refusal(
+        self, pool: Any, error: Exception, names: tuple[LockName, ...]
+    ) -> Exception | None:
+        """The library's error for ``error``, raised by ``checkout`` (``acheckout``) of
+        ``pool`` for the locks ``names``, where it means the pool lent nothing: no
+        connection came free in the pool's time limit, or the pool is closed. It is also
+        the pool's own exception class, so the application's handlers for that keep
+        working. None lets ``error`` through as it is (opening a connection failed, say).
+        """
+        return None
 
     def checkin(self, pool: Any, bind: Any) -> None:  # pragma: no cover - as above
         raise TypeError(f"{type(pool).__name__} is not a pool")
@@ -990,15 +1002,24 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_abandoner_gone)
 
 
+def locks_named(names: tuple[LockName, ...]) -> str:
+    """How an error names the lock, or the locks of a lock set, it is about."""
+    if len(names) == 1:
+        return f"advisory lock {names[0]!r}"
+    return f"advisory locks {list(names)!r}" if names else "an advisory lock"
+
+
 class PoolSite:
     """Each lock checks out its own connection of the pool."""
 
-    __slots__ = ("backend", "driver", "pool")
+    __slots__ = ("backend", "driver", "keys", "pool")
 
-    def __init__(self, driver: RawDriver, pool: Any) -> None:
+    def __init__(self, driver: RawDriver, pool: Any, keys: tuple[LockKey, ...]) -> None:
         self.driver = driver
         self.pool = pool
         self.backend = driver.backend
+        # The keys of the lock (or lock set) it serves, for the errors that name them.
+        self.keys = keys
 
     @property
     def binding(self) -> str:
@@ -1009,7 +1030,12 @@ class PoolSite:
         if not _abandoner_started:
             _start_abandoner()  # for a blocking pool's dropped borrows (_drop_dead_borrow)
         driver = self.driver
-        borrow = PooledBorrow(self, driver.checkout(self.pool))
+        try:
+            bind = driver.checkout(self.pool)
+        except Exception as error:
+            self._refuse(error)
+            raise
+        borrow = PooledBorrow(self, bind)
         try:
             if not driver.autocommit(borrow.connection):
                 # Autocommit keeps each acquire and release to one statement and means
@@ -1029,7 +1055,12 @@ class PoolSite:
     async def aborrow(self, *, transaction: bool) -> PooledBorrow:
         driver = self.driver
         assert isinstance(driver, AsyncRawDriver)
-        borrow = PooledBorrow(self, await driver.acheckout(self.pool))
+        try:
+            bind = await driver.acheckout(self.pool)
+        except Exception as error:
+            self._refuse(error)
+            raise
+        borrow = PooledBorrow(self, bind)
         try:
             if not driver.autocommit(borrow.connection):
                 await driver.aset_autocommit(borrow.connection, True)
@@ -1043,6 +1074,14 @@ class PoolSite:
             await borrow.asettle()
             raise
         return borrow
+
+    def _refuse(self, error: Exception) -> None:
+        """Raise the library's error for a checkout the pool refused (``pool_refusal``),
+        from the pool's; return for any other error, which the caller re-raises as it
+        is. Nothing was taken from the pool, so nothing goes back."""
+        refusal = self.driver.pool_refusal(self.pool, error, tuple(key.name for key in self.keys))
+        if refusal is not None:
+            raise refusal from error
 
     def run(self, steps: Steps[Any]) -> Awaitable[Any]:
         return arun_steps(steps, self)
@@ -1101,8 +1140,8 @@ class SharedPoolSite(PoolSite):
 
     __slots__ = ("_borrow",)
 
-    def __init__(self, driver: RawDriver, pool: Any) -> None:
-        super().__init__(driver, pool)
+    def __init__(self, driver: RawDriver, pool: Any, keys: tuple[LockKey, ...]) -> None:
+        super().__init__(driver, pool, keys)
         self._borrow: PooledBorrow | None = None
 
     def borrow(self, *, transaction: bool) -> PooledBorrow:
@@ -1150,7 +1189,9 @@ class RawBinding:
             return raw_lease.async_lease_site(self._lease, bind, connect)
         return raw_lease.lease_site(self._lease, bind, connect)
 
-    def _site(self, bind: Any, *, transaction: bool, lock_set: bool = False) -> Any:
+    def _site(
+        self, bind: Any, keys: tuple[LockKey, ...], *, transaction: bool, lock_set: bool = False
+    ) -> Any:
         if self._is_pool(bind):
             if transaction:
                 raise UnsupportedFeature(
@@ -1158,23 +1199,23 @@ class RawBinding:
                     "connection out, open a transaction on it and pass the connection, or "
                     "take a session lock on the pool"
                 )
-            return (SharedPoolSite if lock_set else PoolSite)(self.driver, bind)
+            return (SharedPoolSite if lock_set else PoolSite)(self.driver, bind, keys)
         return ConnectionSite(self.driver, bind)
 
     def lock(self, bind: Any, key: LockKey, options: LockOptions) -> Any:
-        site = self._site(bind, transaction=options.transaction)
+        site = self._site(bind, (key,), transaction=options.transaction)
         lock = AdvisoryLock(site, key, options)
         return AsyncAdvisoryLock(lock, site.run) if self.is_async else lock
 
     def lock_set(
         self, bind: Any, keys: list[LockKey], options: LockOptions, timeout: Timeout
     ) -> Any:
-        site = self._site(bind, transaction=options.transaction, lock_set=True)
+        site = self._site(bind, tuple(keys), transaction=options.transaction, lock_set=True)
         lock_set = AdvisoryLockSet(
             site, (AdvisoryLock(site, key, options) for key in keys), timeout=timeout
         )
         return AsyncAdvisoryLockSet(lock_set, site.run) if self.is_async else lock_set
 
     def held_names(self, bind: Any) -> list[LockName]:
-        names: list[LockName] = self._site(bind, transaction=False).held_names()
+        names: list[LockName] = self._site(bind, (), transaction=False).held_names()
         return names

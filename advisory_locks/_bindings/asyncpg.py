@@ -22,6 +22,7 @@ from functools import cache
 from typing import Any, Final
 
 from asyncpg.connection import Connection
+from asyncpg.exceptions import InterfaceError
 from asyncpg.pool import Pool, PoolConnectionProxy
 
 from advisory_locks._bindings import _asyncpg_compat as compat
@@ -32,6 +33,7 @@ from advisory_locks._bindings._raw import (
     ConnectionGone,
     RawBinding,
     holds_at_checkin,
+    locks_named,
     release_at_checkin,
     translate_error,
 )
@@ -39,12 +41,37 @@ from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import StatementRefused
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, arun_steps
 from advisory_locks._dialects import Backend
-from advisory_locks.errors import UnsupportedFeature
+from advisory_locks.errors import LockUsageError, UnsupportedFeature
+from advisory_locks.keys import LockName
 
-__all__ = ["AsyncpgDriver", "AsyncpgExecutor", "AsyncpgLeaseDriver", "AsyncpgLockExecutor"]
+__all__ = [
+    "AsyncpgDriver",
+    "AsyncpgExecutor",
+    "AsyncpgLeaseDriver",
+    "AsyncpgLockExecutor",
+    "LockPoolClosed",
+]
 
 # How long a discarded connection may take to close gracefully before its socket is cut.
 CLOSE_TIMEOUT_SECONDS: Final = 5.0
+
+
+class LockPoolClosed(LockUsageError, InterfaceError):  # type: ignore[misc]  # asyncpg: untyped
+    """A lock was taken on an asyncpg ``Pool`` that is closed or closing.
+
+    Raised instead of the ``InterfaceError`` asyncpg's ``Pool.acquire()`` raises then,
+    which it also is; ``__cause__`` is asyncpg's error. ``name`` is the lock's name (None
+    for a lock set, whose names the message gives).
+    """
+
+    def __init__(self, message: str, *, name: LockName | None = None) -> None:
+        # asyncpg's __init__ sets what its __str__ reads (detail, hint); in this class's
+        # order of bases RuntimeError's would run instead of it.
+        InterfaceError.__init__(self, message)
+        self.name = name
+
+
+LockPoolClosed.__module__ = "advisory_locks.asyncpg"
 
 
 @cache
@@ -173,7 +200,24 @@ class AsyncpgDriver(AsyncRawDriver):
             connection.terminate()
 
     async def acheckout(self, pool: Any) -> Any:
+        # Without a timeout, as the application's own pool.acquire() calls are: asyncpg's
+        # pool has no time limit of its own to keep to (psycopg_pool's and SQLAlchemy's
+        # do). An application bounds the wait with asyncio.timeout(), a cancellation.
         return await pool.acquire()
+
+    def pool_refusal(
+        self, pool: Any, error: Exception, names: tuple[LockName, ...]
+    ) -> Exception | None:
+        # asyncpg raises InterfaceError, its class for any misuse of its API, for a pool
+        # that is closed ("pool is closed") or closing; the pool itself (is_closing(),
+        # public since asyncpg 0.28) tells that case from the others, not the message.
+        if isinstance(error, InterfaceError) and pool.is_closing():
+            return LockPoolClosed(
+                f"{locks_named(names)} needs a connection from an asyncpg pool that is "
+                f"closed or closing: {error}. Take locks on a pool before its close().",
+                name=names[0] if len(names) == 1 else None,
+            )
+        return None
 
     async def acheckin(self, pool: Any, bind: Any) -> None:
         # Returns at once for a terminated connection (already back in the pool).

@@ -28,8 +28,9 @@ from advisory_locks._core.executors import pipeline_refusal, psycopg_cursor
 from advisory_locks._core.libpq import NOT_SENT, LibpqStatements, libpq_statements
 from advisory_locks._core.steps import SCRIPT, VALUE, Statement, run_steps
 from advisory_locks._dialects import Backend
+from advisory_locks.keys import LockName
 
-__all__ = ["PsycopgDriver", "PsycopgLockExecutor"]
+__all__ = ["PsycopgDriver", "PsycopgLockExecutor", "psycopg_pool_refusal"]
 
 OPEN_TRANSACTION = (
     "open one with `with conn.transaction():`, or use a connection that is not in "
@@ -159,6 +160,11 @@ class PsycopgDriver(RawDriver):
     def checkout(self, pool: Any) -> Any:
         return pool.getconn()
 
+    def pool_refusal(
+        self, pool: Any, error: Exception, names: tuple[LockName, ...]
+    ) -> Exception | None:
+        return psycopg_pool_refusal(pool, error, names)
+
     def checkin(self, pool: Any, bind: Any) -> None:
         # A closed connection is replaced by the pool.
         pool.putconn(bind)
@@ -173,6 +179,16 @@ class PsycopgDriver(RawDriver):
             run_steps(release_at_checkin(self, connection))
         if reset is not None:
             reset(connection)
+
+
+def psycopg_pool_refusal(
+    pool: Any, error: Exception, names: tuple[LockName, ...]
+) -> Exception | None:
+    """``RawDriver.pool_refusal`` for the psycopg_pool pools (``_bindings.psycopg_pool``,
+    which needs psycopg_pool: only its pools are checked out of)."""
+    from advisory_locks._bindings.psycopg_pool import pool_refusal
+
+    return pool_refusal(pool, error, names)
 
 
 def _register() -> None:

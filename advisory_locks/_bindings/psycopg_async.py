@@ -20,12 +20,13 @@ from advisory_locks._bindings._raw import (
     holds_at_checkin,
     release_at_checkin,
 )
-from advisory_locks._bindings.psycopg import OPEN_TRANSACTION
+from advisory_locks._bindings.psycopg import OPEN_TRANSACTION, psycopg_pool_refusal
 from advisory_locks._core.dispatch import register_binding
 from advisory_locks._core.executors import pipeline_refusal, psycopg_cursor
 from advisory_locks._core.libpq import NOT_SENT, LibpqStatements, libpq_statements
 from advisory_locks._core.steps import ROWS, SCRIPT, VALUE, Statement, arun_steps
 from advisory_locks.errors import UnsupportedFeature
+from advisory_locks.keys import LockName
 
 __all__ = [
     "AsyncPsycopgDriver",
@@ -123,6 +124,11 @@ class AsyncPsycopgDriver(AsyncRawDriver):
 
     async def acheckout(self, pool: Any) -> Any:
         return await pool.getconn()
+
+    def pool_refusal(
+        self, pool: Any, error: Exception, names: tuple[LockName, ...]
+    ) -> Exception | None:
+        return psycopg_pool_refusal(pool, error, names)
 
     async def acheckin(self, pool: Any, bind: Any) -> None:
         await pool.putconn(bind)
