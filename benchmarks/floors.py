@@ -450,33 +450,51 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
     bookkeeping of ``_ContractFloorLock`` (holders counted in the pooled connection's
     ``info``) around ``ConnectionFloor``'s statements (the driver asked whether a
     transaction is open, each statement sent through libpq). What the library does
-    on this bind and the floor leaves out is the same list as ``_ContractFloorLock``'s."""
+    on this bind and the floor leaves out is the same list as ``_ContractFloorLock``'s.
 
-    __slots__ = ()
+    What a lock needs of the connection is one registry entry in its ``info``, made at
+    its first lock (``_pooled_registry``), which the lock keeps for its release."""
+
+    __slots__ = ("_registry",)
 
     def __enter__(self) -> _ConnectionContractFloorLock:
         fairy = self._connection.connection  # a closed Connection raises here
-        info = fairy.info
-        holders = info.get(_REGISTRY)
-        if holders is None:
-            holders = info[_REGISTRY] = {}
+        registry = fairy.info.get(_REGISTRY)
+        if registry is None:
+            registry = _pooled_registry(fairy)
+        holders, statements, pgconn = registry
         count = holders.get(self._key)
         if count:
             holders[self._key] = count + 1
+            self._registry = registry
             return self
-        _idle_statement(fairy, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        if pgconn.transaction_status != IDLE:
+            raise RuntimeError("the Connection floors cover a Connection outside a transaction")
+        statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
         holders[self._key] = 1
+        self._registry = registry
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        fairy = self._connection.connection
-        holders = fairy.info[_REGISTRY]
+        holders, statements, pgconn = self._registry
         count = holders[self._key] - 1
         if count:
             holders[self._key] = count
             return
         del holders[self._key]
-        _idle_statement(fairy, UNLOCK_SQL, (self._key,))  # raises for a lost lock
+        if pgconn.transaction_status != IDLE:
+            raise RuntimeError("the Connection floors cover a Connection outside a transaction")
+        if statements.run(UNLOCK_SQL, (self._key,)) != b"t":
+            raise RuntimeError("lost")
+
+
+def _pooled_registry(fairy: PoolProxiedConnection) -> tuple[dict[int, int], Statements, Any]:
+    """A pooled DB-API connection's registry entry for the SQLAlchemy contract floors,
+    made at its first lock and kept in its ``info`` (which SQLAlchemy empties when the
+    DB-API connection is replaced): the holders counted on it, its statements, and its
+    libpq connection, asked whether a transaction is open."""
+    registry = fairy.info[_REGISTRY] = {}, _cursor(fairy), fairy.dbapi_connection.pgconn
+    return registry
 
 
 # The twin's statements as asyncpg takes them ($n placeholders).
@@ -661,54 +679,56 @@ class _EngineContractFloorLock(_ContractFloorLock):
     """The contract floor on an Engine: ``EngineFloor``'s checkout (checked to be
     outside a transaction), statements and checkin, with the bookkeeping of
     ``_ContractFloorLock``: the holders counted in the checked-out connection's
-    ``info`` (the lock object keeps its checkout while held, and a re-entry of the
-    object counts on it), the unlock's answer checked, and the pool guard: a listener
-    on the pool's checkin (``guard_engine``) that checks no lock is still counted on a
-    connection going back (a library unlocks it there)."""
+    registry entry (``_pooled_registry``; the lock object keeps its checkout and that
+    entry while held, and a re-entry of the object counts on it), the unlock's answer
+    checked, and the pool guard: a listener on the pool's checkin (``guard_engine``)
+    that checks no lock is still counted on a connection going back (a library unlocks
+    it there)."""
 
-    __slots__ = ("_fairy",)
+    __slots__ = ("_fairy", "_registry")
 
     def __init__(self, engine: Any, name: str, timeout: float) -> None:
         super().__init__(engine, name, timeout)
         self._fairy: Any = None
 
     def __enter__(self) -> _EngineContractFloorLock:
-        fairy = self._fairy
-        if fairy is not None:  # a re-entry of this object, on its checkout
-            fairy.info[_REGISTRY][self._key] += 1
+        if self._fairy is not None:  # a re-entry of this object, on its checkout
+            self._registry[0][self._key] += 1
             return self
         fairy = self._connection.raw_connection()
-        info = fairy.info
-        holders = info.get(_REGISTRY)
-        if holders is None:
-            holders = info[_REGISTRY] = {}
-        if fairy.dbapi_connection.pgconn.transaction_status != IDLE:
+        registry = fairy.info.get(_REGISTRY)
+        if registry is None:
+            registry = _pooled_registry(fairy)
+        holders, statements, pgconn = registry
+        if pgconn.transaction_status != IDLE:
             fairy.close()
             raise RuntimeError("floor.engine.contract covers a checkout outside a transaction")
         try:
-            _run(_cursor(fairy), TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+            statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
         except BaseException:
             fairy.close()
             raise
         holders[self._key] = 1
-        self._fairy = fairy
+        self._fairy, self._registry = fairy, registry
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        fairy = self._fairy
-        holders = fairy.info[_REGISTRY]
+        holders, statements, _ = self._registry
         count = holders[self._key] - 1
         if count:
             holders[self._key] = count
             return
         del holders[self._key]
-        self._fairy = None
-        _run(_cursor(fairy), UNLOCK_SQL, (self._key,))  # raises for a lost lock
+        fairy, self._fairy = self._fairy, None
+        released = statements.run(UNLOCK_SQL, (self._key,))
         fairy.close()
+        if released != b"t":
+            raise RuntimeError("lost")
 
 
 def _checkin_guard(dbapi_connection: Any, record: Any) -> None:
-    if dbapi_connection is not None and record.info.get(_REGISTRY):
+    registry = record.info.get(_REGISTRY)
+    if dbapi_connection is not None and registry is not None and registry[0]:
         raise RuntimeError("a connection went back to the pool holding a lock")
 
 
@@ -724,10 +744,10 @@ class _SessionContractFloorLock(_ContractFloorLock):
     connection (checked out from the Session's engine and set as ``session.bind`` while
     the Session holds locks, so a second lock of the Session finds it there), with the
     bookkeeping of ``_EngineContractFloorLock`` on that connection: holders counted in
-    its ``info``, the unlock's answer checked, the pool guard at checkin. The Engine goes
-    back as ``session.bind`` when the Session's last lock is released."""
+    its registry entry, the unlock's answer checked, the pool guard at checkin. The
+    Engine goes back as ``session.bind`` when the Session's last lock is released."""
 
-    __slots__ = ("_engine", "_held")
+    __slots__ = ("_engine", "_held", "_registry")
 
     def __init__(self, session: Session, name: str, timeout: float) -> None:
         super().__init__(session, name, timeout)
@@ -735,9 +755,8 @@ class _SessionContractFloorLock(_ContractFloorLock):
         self._engine: Any = None
 
     def __enter__(self) -> _SessionContractFloorLock:
-        held = self._held
-        if held is not None:  # a re-entry of this object
-            held.connection.info[_REGISTRY][self._key] += 1
+        if self._held is not None:  # a re-entry of this object
+            self._registry[0][self._key] += 1
             return self
         session = self._connection
         pinned = session.bind
@@ -750,39 +769,39 @@ class _SessionContractFloorLock(_ContractFloorLock):
             connection = engine.connect()
             session.bind = connection
         fairy = connection.connection
-        info = fairy.info
-        holders = info.get(_REGISTRY)
-        if holders is None:
-            holders = info[_REGISTRY] = {}
+        registry = fairy.info.get(_REGISTRY)
+        if registry is None:
+            registry = _pooled_registry(fairy)
+        holders, statements, _ = registry
         count = holders.get(self._key)
         if count:  # another lock object of this Session holds this name: counted
             holders[self._key] = count + 1
         else:
             try:
-                _run(_cursor(fairy), TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+                statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
             except BaseException:
                 if not holders:
                     session.bind = engine
                     connection.close()
                 raise
             holders[self._key] = 1
-        self._held, self._engine = connection, engine
+        self._held, self._engine, self._registry = connection, engine, registry
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        connection = self._held
-        fairy = connection.connection
-        holders = fairy.info[_REGISTRY]
+        holders, statements, _ = self._registry
         count = holders[self._key] - 1
         if count:
             holders[self._key] = count
             return
         del holders[self._key]
-        self._held = None
-        _run(_cursor(fairy), UNLOCK_SQL, (self._key,))  # raises for a lost lock
+        connection, self._held = self._held, None
+        released = statements.run(UNLOCK_SQL, (self._key,))
         if not holders:
             self._connection.bind = self._engine
             connection.close()
+        if released != b"t":
+            raise RuntimeError("lost")
 
 
 # Each contract floor's lock class, by its case name; each takes (bind, name, timeout).
