@@ -24,6 +24,7 @@ is open a library would have to join it, which a floor refuses rather than imita
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 import weakref
@@ -39,6 +40,7 @@ from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 
+from advisory_locks.errors import LockUsageError
 from benchmarks.measure import Case, Stopwatch
 from benchmarks.postgres import TrackedEngine
 from benchmarks.uncontended import (
@@ -378,13 +380,19 @@ class _ContractFloorLock:
     it is or must run switched to autocommit so that it begins none. At release, the
     count, the unlock's answer (False means the lock was lost) and the registry.
 
+    One holder per lock object: the object counts its own holds (re-entrancy is counted
+    per connection, so the object's count is what says that it holds the lock and when
+    it has let go), and is claimed by the thread that takes it (``_claim``): another
+    thread sharing the object is refused rather than counted in on the first one's
+    holding, and the object is free again once its last hold is released (after the
+    unlock is sent).
+
     Left out, though the library does them, because a library could choose otherwise:
-    refusing to share one lock object between threads or tasks, the server check for
-    poolers, forked children, events, error translation. So it is a lower bound for any
-    library keeping the contract on this bind, not a competitor.
+    the server check for poolers, forked children, events, error translation. So it is
+    a lower bound for any library keeping the contract on this bind, not a competitor.
     """
 
-    __slots__ = ("_connection", "_key", "_timeout_ms")
+    __slots__ = ("_claim", "_connection", "_count", "_key", "_timeout_ms")
 
     _keys: ClassVar[dict[str, int]] = {}
 
@@ -400,24 +408,35 @@ class _ContractFloorLock:
         self._connection = connection
         self._key = key
         self._timeout_ms = str(int(timeout * 1000))
+        self._count = 0
+        self._claim: dict[int, object] = {}
 
     def __enter__(self) -> _ContractFloorLock:
+        me = _thread_id()
+        if self._claim.setdefault(0, me) != me:  # see _claim
+            raise _claimed()
         connection = self._connection
         registry = connection.__dict__.get(_REGISTRY)
         if registry is None:
             registry = connection.__dict__[_REGISTRY] = {}, Statements(connection)
         holders, statements = registry
         count = holders.get(self._key)
-        if count:
+        if count:  # held on this connection, by this object or another: counted
             holders[self._key] = count + 1
+            self._count += 1
             return self
-        if connection.closed:
-            raise RuntimeError("closed")
-        if connection.pgconn.transaction_status != IDLE or connection.autocommit:
-            statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
-        else:
-            raise RuntimeError("the benchmark's connection is in autocommit")
+        try:
+            if connection.closed:
+                raise RuntimeError("closed")
+            if connection.pgconn.transaction_status != IDLE or connection.autocommit:
+                statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+            else:
+                raise RuntimeError("the benchmark's connection is in autocommit")
+        except BaseException:
+            del self._claim[0]
+            raise
         holders[self._key] = 1
+        self._count = 1
         return self
 
     def release(self) -> None:
@@ -425,21 +444,68 @@ class _ContractFloorLock:
         self.__exit__(None, None, None)
 
     def __exit__(self, *exc_info: object) -> None:
+        count = self._count
+        if not count:
+            raise _not_held()
         connection = self._connection
         holders, statements = connection.__dict__[_REGISTRY]
-        count = holders[self._key] - 1
-        if count:
-            holders[self._key] = count
+        held = holders[self._key] - 1
+        if held:
+            holders[self._key] = held
+            _count_out(self, count)
             return
         del holders[self._key]
-        if connection.closed:
-            raise RuntimeError("lost")
-        if connection.pgconn.transaction_status != IDLE or connection.autocommit:
-            released = statements.run(UNLOCK_SQL, (self._key,))
-        else:
-            raise RuntimeError("the benchmark's connection is in autocommit")
+        self._count = 0
+        try:
+            if connection.closed:
+                raise RuntimeError("lost")
+            if connection.pgconn.transaction_status != IDLE or connection.autocommit:
+                released = statements.run(UNLOCK_SQL, (self._key,))
+            else:
+                raise RuntimeError("the benchmark's connection is in autocommit")
+        finally:
+            del self._claim[0]  # see _claim: free once the unlock is sent
         if released != b"t":
             raise RuntimeError("lost")
+
+
+# One holder per lock object (DESIGN: re-entrancy is counted per connection, so a lock
+# object shared by two threads or two asyncio tasks must not let the second count itself
+# in on the first one's holding). Each lock object has a dict, ``_claim``, whose key 0
+# names its holder while it holds the lock: a thread (``threading.get_ident()``), or on
+# an asyncio bind the task. ``_claim.setdefault(0, me)`` claims the object and reads who
+# has it in one step, race-free under the GIL: dict.setdefault on an int key is one C
+# call that runs no Python code (no __hash__ or __eq__ of ours, no collection), so no
+# other thread runs between its lookup and its store. Of two threads claiming a free
+# object at once, the first stores its id and the second reads it and is refused. It is
+# cheaper than a module-level threading.Lock around a test and a store (the library's
+# ``_CLAIMS``): one C call instead of the lock's enter and exit and the attribute reads.
+# The holder deletes the key when the object's last hold is released, after its unlock
+# is sent (else another thread could claim the object and count itself into a holding
+# that unlock is about to end), or when its acquire fails.
+_thread_id = threading.get_ident
+# asyncio.current_task(), without its Python frame (3.11: a function that does this):
+# the running loop's current task, from asyncio's own table of them.
+_current_tasks: dict[Any, Any] = asyncio.tasks._current_tasks  # type: ignore[attr-defined]
+_running_loop = asyncio._get_running_loop
+
+
+def _claimed() -> LockUsageError:
+    return LockUsageError(
+        "this lock object is held by another thread or task; make one lock object per use"
+    )
+
+
+def _not_held() -> LockUsageError:
+    return LockUsageError("this lock object does not hold the lock")
+
+
+def _count_out(lock: Any, count: int) -> None:
+    """One of ``lock``'s ``count`` holds released, another holder on its connection
+    still counting on the name: the object is free after its last."""
+    lock._count = count - 1
+    if count == 1:
+        del lock._claim[0]
 
 
 _REGISTRY = "_benchmarks_contract_floor"
@@ -457,43 +523,69 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
 
     __slots__ = ("_registry",)
 
+    _registry: _PooledRegistry
+
     def __enter__(self) -> _ConnectionContractFloorLock:
-        fairy = self._connection.connection  # a closed Connection raises here
-        registry = fairy.info.get(_REGISTRY)
-        if registry is None:
-            registry = _pooled_registry(fairy)
-        holders, statements, pgconn = registry
-        count = holders.get(self._key)
-        if count:
-            holders[self._key] = count + 1
-            self._registry = registry
-            return self
-        if pgconn.transaction_status != IDLE:
-            raise RuntimeError("the Connection floors cover a Connection outside a transaction")
-        statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        me = _thread_id()
+        if self._claim.setdefault(0, me) != me:  # see _claim
+            raise _claimed()
+        try:
+            fairy = self._connection.connection  # a closed Connection raises here
+            registry = fairy.info.get(_REGISTRY)
+            if registry is None:
+                registry = _pooled_registry(fairy)
+            holders, statements, pgconn = registry
+            count = holders.get(self._key)
+            if count:  # held on this connection, by this object or another: counted
+                holders[self._key] = count + 1
+                self._count += 1
+                self._registry = registry
+                return self
+            if pgconn.transaction_status != IDLE:
+                raise RuntimeError("the Connection floors cover a Connection outside a transaction")
+            statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        except BaseException:
+            del self._claim[0]
+            raise
         holders[self._key] = 1
+        self._count = 1
         self._registry = registry
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        count = self._count
+        if not count:
+            raise _not_held()
         holders, statements, pgconn = self._registry
-        count = holders[self._key] - 1
-        if count:
-            holders[self._key] = count
+        held = holders[self._key] - 1
+        if held:
+            holders[self._key] = held
+            _count_out(self, count)
             return
         del holders[self._key]
-        if pgconn.transaction_status != IDLE:
-            raise RuntimeError("the Connection floors cover a Connection outside a transaction")
-        if statements.run(UNLOCK_SQL, (self._key,)) != b"t":
+        self._count = 0
+        try:
+            if pgconn.transaction_status != IDLE:
+                raise RuntimeError("the Connection floors cover a Connection outside a transaction")
+            released = statements.run(UNLOCK_SQL, (self._key,))
+        finally:
+            del self._claim[0]  # see _claim: free once the unlock is sent
+        if released != b"t":
             raise RuntimeError("lost")
 
 
-def _pooled_registry(fairy: PoolProxiedConnection) -> tuple[dict[int, int], Statements, Any]:
+# A pooled connection's registry entry (_pooled_registry).
+_PooledRegistry = tuple[dict[int, int], Statements, Any]
+
+
+def _pooled_registry(fairy: PoolProxiedConnection) -> _PooledRegistry:
     """A pooled DB-API connection's registry entry for the SQLAlchemy contract floors,
     made at its first lock and kept in its ``info`` (which SQLAlchemy empties when the
     DB-API connection is replaced): the holders counted on it, its statements, and its
     libpq connection, asked whether a transaction is open."""
-    registry = fairy.info[_REGISTRY] = {}, _cursor(fairy), fairy.dbapi_connection.pgconn
+    dbapi: Any = fairy.dbapi_connection
+    registry: _PooledRegistry = ({}, _cursor(fairy), dbapi.pgconn)
+    fairy.info[_REGISTRY] = registry
     return registry
 
 
@@ -510,7 +602,9 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
     of ``_ContractFloorLock``, in ``async with``, around the asyncpg twin's two
     statements (``fetchval``). The connection is read before each statement, closed or
     not and whether a transaction is open (where a lock with a timeout would have to
-    wrap its wait in a savepoint; the benchmark's is never in one).
+    wrap its wait in a savepoint; the benchmark's is never in one). The object is
+    claimed for the asyncio task that takes it (see ``_claim``), or the thread outside
+    a task: two tasks of one thread share the thread's id.
 
     An asyncpg connection has no ``__dict__``: the holders are kept by the connection's
     id, in an entry that a finalizer, made at the connection's first lock, removes when
@@ -525,42 +619,64 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
     _holders: ClassVar[dict[int, dict[int, int]]] = {}
 
     async def __aenter__(self) -> AsyncpgContractFloorLock:
+        me = _current_tasks.get(_running_loop()) or _thread_id()
+        if self._claim.setdefault(0, me) != me:  # see _claim
+            raise _claimed()
         connection = self._connection
         holders = self._holders.get(id(connection))
         if holders is None:
             holders = self._holders[id(connection)] = {}
             weakref.finalize(connection, self._holders.pop, id(connection), None)
         count = holders.get(self._key)
-        if count:
+        if count:  # held on this connection, by this object or another: counted
             holders[self._key] = count + 1
+            self._count += 1
             return self
-        if connection.is_closed():
-            raise RuntimeError("closed")
-        if connection.is_in_transaction():
-            raise RuntimeError("floor.asyncpg.contract covers a connection outside a transaction")
-        await connection.fetchval(ASYNCPG_TIMEOUT_LOCK_SQL, self._key, self._timeout_ms)
+        try:
+            if connection.is_closed():
+                raise RuntimeError("closed")
+            if connection.is_in_transaction():
+                raise RuntimeError(
+                    "floor.asyncpg.contract covers a connection outside a transaction"
+                )
+            await connection.fetchval(ASYNCPG_TIMEOUT_LOCK_SQL, self._key, self._timeout_ms)
+        except BaseException:
+            del self._claim[0]
+            raise
         holders[self._key] = 1
+        self._count = 1
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        count = self._count
+        if not count:
+            raise _not_held()
         connection = self._connection
         holders = self._holders[id(connection)]
-        count = holders[self._key] - 1
-        if count:
-            holders[self._key] = count
+        held = holders[self._key] - 1
+        if held:
+            holders[self._key] = held
+            _count_out(self, count)
             return
         del holders[self._key]
-        if connection.is_closed():
-            raise RuntimeError("lost")
-        if not await connection.fetchval(ASYNCPG_UNLOCK_SQL, self._key):
+        self._count = 0
+        try:
+            if connection.is_closed():
+                raise RuntimeError("lost")
+            released = await connection.fetchval(ASYNCPG_UNLOCK_SQL, self._key)
+        finally:
+            del self._claim[0]  # see _claim: free once the unlock is sent
+        if not released:
             raise RuntimeError("lost")
 
 
 class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
     """The contract floor on an asyncpg pool: a connection acquired from the pool for the
-    lock object (a re-entry of the object counts on it) and released to the pool after
-    the unlock, with ``AsyncpgContractFloorLock``'s bookkeeping on the connection the
-    pool's proxy wraps (the proxy, one per acquire, takes no weak reference)."""
+    lock object (a re-entry of the object, by its task, counts on it) and released to
+    the pool after the unlock, with ``AsyncpgContractFloorLock``'s bookkeeping on the
+    connection the pool's proxy wraps (the proxy, one per acquire, takes no weak
+    reference). Only this object's holds count on its connection while it has it, so
+    that connection's count is the object's own."""
 
     __slots__ = ("_pool", "_proxy")
 
@@ -570,28 +686,57 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
         self._proxy: Any = None
 
     async def __aenter__(self) -> AsyncpgPoolContractFloorLock:
+        me = _current_tasks.get(_running_loop()) or _thread_id()
+        if self._claim.setdefault(0, me) != me:  # see _claim
+            raise _claimed()
         if self._proxy is not None:  # a re-entry of this object, on its connection
             self._holders[id(self._connection)][self._key] += 1
             return self
-        proxy = self._proxy = await self._pool.acquire()
-        self._connection = proxy._con
+        proxy = None
         try:
-            await super().__aenter__()
+            proxy = await self._pool.acquire()
+            connection = proxy._con
+            holders = self._holders.get(id(connection))
+            if holders is None:
+                holders = self._holders[id(connection)] = {}
+                weakref.finalize(connection, self._holders.pop, id(connection), None)
+            if connection.is_closed():
+                raise RuntimeError("closed")
+            if connection.is_in_transaction():
+                raise RuntimeError(
+                    "floor.asyncpg_pool.contract covers a connection outside a transaction"
+                )
+            await connection.fetchval(ASYNCPG_TIMEOUT_LOCK_SQL, self._key, self._timeout_ms)
         except BaseException:
-            self._proxy = None
-            await self._pool.release(proxy)
+            del self._claim[0]
+            if proxy is not None:
+                await self._pool.release(proxy)
             raise
+        holders[self._key] = 1
+        self._proxy, self._connection = proxy, connection
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._holders[id(self._connection)][self._key] > 1:
-            await super().__aexit__(*exc_info)
+        proxy = self._proxy
+        if proxy is None:
+            raise _not_held()
+        connection = self._connection
+        holders = self._holders[id(connection)]
+        held = holders[self._key] - 1
+        if held:  # an outer hold of this object
+            holders[self._key] = held
             return
-        proxy, self._proxy = self._proxy, None
+        del holders[self._key]
+        self._proxy = None
         try:
-            await super().__aexit__(*exc_info)
+            if connection.is_closed():
+                raise RuntimeError("lost")
+            released = await connection.fetchval(ASYNCPG_UNLOCK_SQL, self._key)
         finally:
             await self._pool.release(proxy)
+            del self._claim[0]  # see _claim: free once the unlock is sent
+        if not released:
+            raise RuntimeError("lost")
 
 
 class _DjangoContractFloorLock:
@@ -608,7 +753,7 @@ class _DjangoContractFloorLock:
     settings read for defaults, ``atomic()`` for ``transaction=True`` and the close hook.
     """
 
-    __slots__ = ("_alias", "_key", "_timeout_ms", "_wrapper")
+    __slots__ = ("_alias", "_claim", "_count", "_key", "_timeout_ms", "_wrapper")
 
     def __init__(self, alias: str, name: str, timeout: float) -> None:
         # _ContractFloorLock.__init__'s checks and key lookup, written out: calling it
@@ -626,25 +771,41 @@ class _DjangoContractFloorLock:
         self._key = key
         self._timeout_ms = str(int(timeout * 1000))
         self._wrapper: Any = None
+        self._count = 0
+        self._claim: dict[int, object] = {}
 
     def __enter__(self) -> _DjangoContractFloorLock:
         from django.db import connections
 
-        wrapper = connections[self._alias]
-        if not wrapper.get_autocommit() or wrapper.in_atomic_block:
-            raise RuntimeError("floor.django.contract covers Django's connection in autocommit")
-        raw = wrapper.connection
-        registry: Any = wrapper.__dict__.get(_REGISTRY)
-        if registry is None or registry[0] is not raw:
-            registry = wrapper.__dict__[_REGISTRY] = raw, {}, Statements(raw, prepare=False), []
-        _, holders, cursor, in_request = registry
-        self._wrapper = wrapper
-        count = holders.get(self._key)
-        if count:
-            holders[self._key] = count + 1
-            return self
-        _run(cursor, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        me = _thread_id()
+        if self._claim.setdefault(0, me) != me:  # see _claim
+            raise _claimed()
+        try:
+            wrapper = connections[self._alias]
+            if not wrapper.get_autocommit() or wrapper.in_atomic_block:
+                raise RuntimeError("floor.django.contract covers Django's connection in autocommit")
+            raw = wrapper.connection
+            registry: Any = wrapper.__dict__.get(_REGISTRY)
+            if registry is None or registry[0] is not raw:
+                registry = wrapper.__dict__[_REGISTRY] = (
+                    raw,
+                    {},
+                    Statements(raw, prepare=False),
+                    [],
+                )
+            _, holders, cursor, in_request = registry
+            self._wrapper = wrapper
+            count = holders.get(self._key)
+            if count:  # held on this connection, by this object or another: counted
+                holders[self._key] = count + 1
+                self._count += 1
+                return self
+            _run(cursor, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        except BaseException:
+            del self._claim[0]
+            raise
         holders[self._key] = 1
+        self._count = 1
         if _DJANGO_REQUEST.active:
             in_request.append(self._key)
         return self
@@ -654,18 +815,28 @@ class _DjangoContractFloorLock:
         self.__exit__(None, None, None)
 
     def __exit__(self, *exc_info: object) -> None:
+        count = self._count
+        if not count:
+            raise _not_held()
         wrapper = self._wrapper
         raw, holders, cursor, in_request = wrapper.__dict__[_REGISTRY]
         if wrapper.connection is not raw:
+            self._count = 0
+            del self._claim[0]
             raise RuntimeError("lost")
-        count = holders[self._key] - 1
-        if count:
-            holders[self._key] = count
+        held = holders[self._key] - 1
+        if held:
+            holders[self._key] = held
+            _count_out(self, count)
             return
         del holders[self._key]
+        self._count = 0
         if in_request:
             in_request.remove(self._key)
-        _run(cursor, UNLOCK_SQL, (self._key,))  # raises for a lost lock
+        try:
+            _run(cursor, UNLOCK_SQL, (self._key,))  # raises for a lost lock
+        finally:
+            del self._claim[0]  # see _claim: free once the unlock is sent
 
 
 class _RequestFlag(threading.local):
@@ -687,41 +858,54 @@ class _EngineContractFloorLock(_ContractFloorLock):
 
     __slots__ = ("_fairy", "_registry")
 
+    _registry: _PooledRegistry
+
     def __init__(self, engine: Any, name: str, timeout: float) -> None:
         super().__init__(engine, name, timeout)
         self._fairy: Any = None
 
     def __enter__(self) -> _EngineContractFloorLock:
+        me = _thread_id()
+        if self._claim.setdefault(0, me) != me:  # see _claim
+            raise _claimed()
         if self._fairy is not None:  # a re-entry of this object, on its checkout
             self._registry[0][self._key] += 1
             return self
-        fairy = self._connection.raw_connection()
-        registry = fairy.info.get(_REGISTRY)
-        if registry is None:
-            registry = _pooled_registry(fairy)
-        holders, statements, pgconn = registry
-        if pgconn.transaction_status != IDLE:
-            fairy.close()
-            raise RuntimeError("floor.engine.contract covers a checkout outside a transaction")
+        fairy = None
         try:
+            fairy = self._connection.raw_connection()
+            registry = fairy.info.get(_REGISTRY)
+            if registry is None:
+                registry = _pooled_registry(fairy)
+            holders, statements, pgconn = registry
+            if pgconn.transaction_status != IDLE:
+                raise RuntimeError("floor.engine.contract covers a checkout outside a transaction")
             statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
         except BaseException:
-            fairy.close()
+            del self._claim[0]
+            if fairy is not None:
+                fairy.close()
             raise
         holders[self._key] = 1
         self._fairy, self._registry = fairy, registry
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        fairy = self._fairy
+        if fairy is None:
+            raise _not_held()
         holders, statements, _ = self._registry
-        count = holders[self._key] - 1
-        if count:
-            holders[self._key] = count
+        held = holders[self._key] - 1
+        if held:  # an outer hold of this object (only its holds count on its checkout)
+            holders[self._key] = held
             return
         del holders[self._key]
-        fairy, self._fairy = self._fairy, None
-        released = statements.run(UNLOCK_SQL, (self._key,))
-        fairy.close()
+        self._fairy = None
+        try:
+            released = statements.run(UNLOCK_SQL, (self._key,))
+            fairy.close()
+        finally:
+            del self._claim[0]  # see _claim: free once the unlock is sent
         if released != b"t":
             raise RuntimeError("lost")
 
@@ -749,57 +933,80 @@ class _SessionContractFloorLock(_ContractFloorLock):
 
     __slots__ = ("_engine", "_held", "_registry")
 
+    _registry: _PooledRegistry
+
     def __init__(self, session: Session, name: str, timeout: float) -> None:
         super().__init__(session, name, timeout)
         self._held: Any = None
         self._engine: Any = None
 
     def __enter__(self) -> _SessionContractFloorLock:
+        me = _thread_id()
+        if self._claim.setdefault(0, me) != me:  # see _claim
+            raise _claimed()
         if self._held is not None:  # a re-entry of this object
             self._registry[0][self._key] += 1
+            self._count += 1
             return self
         session = self._connection
-        pinned = session.bind
-        if isinstance(pinned, SAConnection):  # another lock of this Session holds it
-            connection, engine = pinned, pinned.engine
-        else:
-            if session.get_transaction() is not None:
-                raise RuntimeError("floor.session.contract covers a Session outside a transaction")
-            engine = session.get_bind()
-            connection = engine.connect()
-            session.bind = connection
-        fairy = connection.connection
-        registry = fairy.info.get(_REGISTRY)
-        if registry is None:
-            registry = _pooled_registry(fairy)
-        holders, statements, _ = registry
-        count = holders.get(self._key)
-        if count:  # another lock object of this Session holds this name: counted
-            holders[self._key] = count + 1
-        else:
-            try:
-                statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
-            except BaseException:
-                if not holders:
-                    session.bind = engine
-                    connection.close()
-                raise
-            holders[self._key] = 1
+        try:
+            pinned = session.bind
+            if isinstance(pinned, SAConnection):  # another lock of this Session holds it
+                connection, engine = pinned, pinned.engine
+            else:
+                if session.get_transaction() is not None:
+                    raise RuntimeError(
+                        "floor.session.contract covers a Session outside a transaction"
+                    )
+                engine = session.get_bind()
+                connection = engine.connect()
+                session.bind = connection
+            fairy = connection.connection
+            registry = fairy.info.get(_REGISTRY)
+            if registry is None:
+                registry = _pooled_registry(fairy)
+            holders, statements, _ = registry
+            count = holders.get(self._key)
+            if count:  # another lock object of this Session holds this name: counted
+                holders[self._key] = count + 1
+            else:
+                try:
+                    statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+                except BaseException:
+                    if not holders:
+                        session.bind = engine
+                        connection.close()
+                    raise
+                holders[self._key] = 1
+        except BaseException:
+            del self._claim[0]
+            raise
+        self._count = 1
         self._held, self._engine, self._registry = connection, engine, registry
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        count = self._count
+        if not count:
+            raise _not_held()
         holders, statements, _ = self._registry
-        count = holders[self._key] - 1
-        if count:
-            holders[self._key] = count
+        held = holders[self._key] - 1
+        if held:
+            holders[self._key] = held
+            if count == 1:  # another lock of the Session still holds the name
+                self._held = None
+            _count_out(self, count)
             return
         del holders[self._key]
+        self._count = 0
         connection, self._held = self._held, None
-        released = statements.run(UNLOCK_SQL, (self._key,))
-        if not holders:
-            self._connection.bind = self._engine
-            connection.close()
+        try:
+            released = statements.run(UNLOCK_SQL, (self._key,))
+            if not holders:
+                self._connection.bind = self._engine
+                connection.close()
+        finally:
+            del self._claim[0]  # see _claim: free once the unlock is sent
         if released != b"t":
             raise RuntimeError("lost")
 
