@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -387,9 +388,18 @@ class _ContractFloorLock:
     holding, and the object is free again once its last hold is released (after the
     unlock is sent).
 
+    Forked children: the registry records the process that made it, at the connection's
+    first lock, and a lock compares it with this process (``_pid``) before its lock
+    statement and before its unlock: a forked child's copy of the connection is
+    refused, and a child's release of an object its parent acquired sends no unlock.
+
     Left out, though the library does them, because a library could choose otherwise:
-    the server check for poolers, forked children, events, error translation. So it is
-    a lower bound for any library keeping the contract on this bind, not a competitor.
+    the server check for poolers, events, error translation. Left out as no part of a
+    lock's cost: the library's look, in a forked child, at a connection's socket when it
+    first meets the connection (one ``fstat`` per connection, against the sockets found
+    open at the fork), which tells that a connection the parent opened but never locked
+    on is the parent's too. So it is a lower bound for any library keeping the contract
+    on this bind, not a competitor.
     """
 
     __slots__ = ("_claim", "_connection", "_count", "_key", "_timeout_ms")
@@ -418,8 +428,11 @@ class _ContractFloorLock:
         connection = self._connection
         registry = connection.__dict__.get(_REGISTRY)
         if registry is None:
-            registry = connection.__dict__[_REGISTRY] = {}, Statements(connection)
-        holders, statements = registry
+            registry = connection.__dict__[_REGISTRY] = {}, Statements(connection), _pid
+        holders, statements, opener = registry
+        if opener != _pid:  # see _pid; before the holders: never a re-entry in a child
+            del self._claim[0]
+            raise _inherited()
         count = holders.get(self._key)
         if count:  # held on this connection, by this object or another: counted
             holders[self._key] = count + 1
@@ -448,7 +461,7 @@ class _ContractFloorLock:
         if not count:
             raise _not_held()
         connection = self._connection
-        holders, statements = connection.__dict__[_REGISTRY]
+        holders, statements, opener = connection.__dict__[_REGISTRY]
         held = holders[self._key] - 1
         if held:
             holders[self._key] = held
@@ -457,6 +470,8 @@ class _ContractFloorLock:
         del holders[self._key]
         self._count = 0
         try:
+            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+                return
             if connection.closed:
                 raise RuntimeError("lost")
             if connection.pgconn.transaction_status != IDLE or connection.autocommit:
@@ -490,6 +505,32 @@ _current_tasks: dict[Any, Any] = asyncio.tasks._current_tasks  # type: ignore[at
 _running_loop = asyncio._get_running_loop
 
 
+# Forked children (DESIGN, "Deployment shapes": a child never releases or corrupts a
+# parent's lock, whatever it does with its inherited copy). Every contract floor
+# records, per connection, the process that opened it (SQLAlchemy: a pool "connect"
+# listener, in the pool entry's info; the raw drivers and Django, which have no such
+# hook: the process that made the connection's registry, at its first lock), and
+# compares it with this process before each lock statement and each unlock. This
+# process's id is a global that a forked child refreshes: os.getpid() is a system call.
+_pid = os.getpid()
+
+
+def _forked_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forked_child)
+
+
+def _inherited() -> LockUsageError:
+    return LockUsageError(
+        "this connection was opened by the process this one was forked from: its locks "
+        "are that process's; open the child's own connections after the fork"
+    )
+
+
 def _claimed() -> LockUsageError:
     return LockUsageError(
         "this lock object is held by another thread or task; make one lock object per use"
@@ -509,6 +550,8 @@ def _count_out(lock: Any, count: int) -> None:
 
 
 _REGISTRY = "_benchmarks_contract_floor"
+# In a pooled connection's info: the process that opened it (_connected).
+_OPENER = "_benchmarks_contract_floor_opener"
 
 
 class _ConnectionContractFloorLock(_ContractFloorLock):
@@ -534,7 +577,9 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
             registry = fairy.info.get(_REGISTRY)
             if registry is None:
                 registry = _pooled_registry(fairy)
-            holders, statements, pgconn = registry
+            holders, statements, pgconn, opener = registry
+            if opener != _pid:  # see _pid; before the holders: never a re-entry in a child
+                raise _inherited()
             count = holders.get(self._key)
             if count:  # held on this connection, by this object or another: counted
                 holders[self._key] = count + 1
@@ -556,7 +601,7 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
         count = self._count
         if not count:
             raise _not_held()
-        holders, statements, pgconn = self._registry
+        holders, statements, pgconn, opener = self._registry
         held = holders[self._key] - 1
         if held:
             holders[self._key] = held
@@ -565,6 +610,8 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
         del holders[self._key]
         self._count = 0
         try:
+            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+                return
             if pgconn.transaction_status != IDLE:
                 raise RuntimeError("the Connection floors cover a Connection outside a transaction")
             released = statements.run(UNLOCK_SQL, (self._key,))
@@ -575,16 +622,19 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
 
 
 # A pooled connection's registry entry (_pooled_registry).
-_PooledRegistry = tuple[dict[int, int], Statements, Any]
+_PooledRegistry = tuple[dict[int, int], Statements, Any, int]
 
 
 def _pooled_registry(fairy: PoolProxiedConnection) -> _PooledRegistry:
     """A pooled DB-API connection's registry entry for the SQLAlchemy contract floors,
     made at its first lock and kept in its ``info`` (which SQLAlchemy empties when the
-    DB-API connection is replaced): the holders counted on it, its statements, and its
-    libpq connection, asked whether a transaction is open."""
+    DB-API connection is replaced): the holders counted on it, its statements, its
+    libpq connection, asked whether a transaction is open, and the process that opened
+    it, as ``_connected`` recorded it (a connection opened before the pool was hooked is
+    taken for this process's: see ``_ContractFloorLock`` on forked children)."""
     dbapi: Any = fairy.dbapi_connection
-    registry: _PooledRegistry = ({}, _cursor(fairy), dbapi.pgconn)
+    opener = fairy.info.get(_OPENER, _pid)
+    registry: _PooledRegistry = ({}, _cursor(fairy), dbapi.pgconn, opener)
     fairy.info[_REGISTRY] = registry
     return registry
 
@@ -616,17 +666,22 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
 
     __slots__ = ()
 
-    _holders: ClassVar[dict[int, dict[int, int]]] = {}
+    # By the connection's id: its holders, and the process that opened it (see _pid).
+    _holders: ClassVar[dict[int, tuple[dict[int, int], int]]] = {}
 
     async def __aenter__(self) -> AsyncpgContractFloorLock:
         me = _current_tasks.get(_running_loop()) or _thread_id()
         if self._claim.setdefault(0, me) != me:  # see _claim
             raise _claimed()
         connection = self._connection
-        holders = self._holders.get(id(connection))
-        if holders is None:
-            holders = self._holders[id(connection)] = {}
+        registry = self._holders.get(id(connection))
+        if registry is None:
+            registry = self._holders[id(connection)] = {}, _pid
             weakref.finalize(connection, self._holders.pop, id(connection), None)
+        holders, opener = registry
+        if opener != _pid:  # see _pid; before the holders: never a re-entry in a child
+            del self._claim[0]
+            raise _inherited()
         count = holders.get(self._key)
         if count:  # held on this connection, by this object or another: counted
             holders[self._key] = count + 1
@@ -652,7 +707,7 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
         if not count:
             raise _not_held()
         connection = self._connection
-        holders = self._holders[id(connection)]
+        holders, opener = self._holders[id(connection)]
         held = holders[self._key] - 1
         if held:
             holders[self._key] = held
@@ -661,6 +716,8 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
         del holders[self._key]
         self._count = 0
         try:
+            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+                return
             if connection.is_closed():
                 raise RuntimeError("lost")
             released = await connection.fetchval(ASYNCPG_UNLOCK_SQL, self._key)
@@ -690,16 +747,27 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
         if self._claim.setdefault(0, me) != me:  # see _claim
             raise _claimed()
         if self._proxy is not None:  # a re-entry of this object, on its connection
-            self._holders[id(self._connection)][self._key] += 1
+            holders, opener = self._holders[id(self._connection)]
+            if opener != _pid:  # see _pid: the parent's holding, not a re-entry
+                del self._claim[0]
+                raise _inherited()
+            holders[self._key] += 1
             return self
         proxy = None
         try:
             proxy = await self._pool.acquire()
             connection = proxy._con
-            holders = self._holders.get(id(connection))
-            if holders is None:
-                holders = self._holders[id(connection)] = {}
+            registry = self._holders.get(id(connection))
+            if registry is None:
+                registry = self._holders[id(connection)] = {}, _pid
                 weakref.finalize(connection, self._holders.pop, id(connection), None)
+            holders, opener = registry
+            if opener != _pid:  # see _pid: the pool's connection is the parent's
+                # Closed without a word to the server (a socket of the child's own), so
+                # that the pool's reset at the release below never runs in the parent's
+                # session; the pool opens a new connection in its place.
+                connection.terminate()
+                raise _inherited()
             if connection.is_closed():
                 raise RuntimeError("closed")
             if connection.is_in_transaction():
@@ -721,7 +789,7 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
         if proxy is None:
             raise _not_held()
         connection = self._connection
-        holders = self._holders[id(connection)]
+        holders, opener = self._holders[id(connection)]
         held = holders[self._key] - 1
         if held:  # an outer hold of this object
             holders[self._key] = held
@@ -729,6 +797,9 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
         del holders[self._key]
         self._proxy = None
         try:
+            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+                connection.terminate()  # (as in __aenter__)
+                return
             if connection.is_closed():
                 raise RuntimeError("lost")
             released = await connection.fetchval(ASYNCPG_UNLOCK_SQL, self._key)
@@ -792,8 +863,11 @@ class _DjangoContractFloorLock:
                     {},
                     Statements(raw, prepare=False),
                     [],
+                    _pid,
                 )
-            _, holders, cursor, in_request = registry
+            _, holders, cursor, in_request, opener = registry
+            if opener != _pid:  # see _pid; before the holders: never a re-entry in a child
+                raise _inherited()
             self._wrapper = wrapper
             count = holders.get(self._key)
             if count:  # held on this connection, by this object or another: counted
@@ -819,7 +893,7 @@ class _DjangoContractFloorLock:
         if not count:
             raise _not_held()
         wrapper = self._wrapper
-        raw, holders, cursor, in_request = wrapper.__dict__[_REGISTRY]
+        raw, holders, cursor, in_request, opener = wrapper.__dict__[_REGISTRY]
         if wrapper.connection is not raw:
             self._count = 0
             del self._claim[0]
@@ -834,6 +908,8 @@ class _DjangoContractFloorLock:
         if in_request:
             in_request.remove(self._key)
         try:
+            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+                return
             _run(cursor, UNLOCK_SQL, (self._key,))  # raises for a lost lock
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
@@ -869,15 +945,23 @@ class _EngineContractFloorLock(_ContractFloorLock):
         if self._claim.setdefault(0, me) != me:  # see _claim
             raise _claimed()
         if self._fairy is not None:  # a re-entry of this object, on its checkout
-            self._registry[0][self._key] += 1
-            return self
+            if self._registry[3] == _pid:
+                self._registry[0][self._key] += 1
+                return self
+            # A forked child's copy of the parent's holding (see _pid): the object takes
+            # the lock anew, on a checkout of this process's.
+            _cut(self._fairy)
+            self._fairy = None
         fairy = None
         try:
             fairy = self._connection.raw_connection()
             registry = fairy.info.get(_REGISTRY)
             if registry is None:
                 registry = _pooled_registry(fairy)
-            holders, statements, pgconn = registry
+            holders, statements, pgconn, opener = registry
+            if opener != _pid:  # see _pid: in a forked child, a checkout of the parent's
+                fairy, registry = _own_checkout(self._connection, fairy)
+                holders, statements, pgconn, opener = registry
             if pgconn.transaction_status != IDLE:
                 raise RuntimeError("floor.engine.contract covers a checkout outside a transaction")
             statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
@@ -894,7 +978,7 @@ class _EngineContractFloorLock(_ContractFloorLock):
         fairy = self._fairy
         if fairy is None:
             raise _not_held()
-        holders, statements, _ = self._registry
+        holders, statements, _, opener = self._registry
         held = holders[self._key] - 1
         if held:  # an outer hold of this object (only its holds count on its checkout)
             holders[self._key] = held
@@ -902,12 +986,42 @@ class _EngineContractFloorLock(_ContractFloorLock):
         del holders[self._key]
         self._fairy = None
         try:
+            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+                _cut(fairy)
+                fairy.close()
+                return
             released = statements.run(UNLOCK_SQL, (self._key,))
             fairy.close()
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
         if released != b"t":
             raise RuntimeError("lost")
+
+
+def _own_checkout(engine: Engine, fairy: Any) -> tuple[Any, _PooledRegistry]:
+    """In a forked child: a checkout of a connection this process opened, in place of
+    ``fairy``, the parent's. Each of the parent's connections the pool hands out is cut
+    from it (``_cut``), and the pool opens a new one in its place."""
+    while True:
+        _cut(fairy)
+        fairy.close()
+        fairy = engine.raw_connection()
+        registry = fairy.info.get(_REGISTRY) or _pooled_registry(fairy)
+        if registry[3] == _pid:
+            return fairy, registry
+
+
+def _cut(fairy: Any) -> None:
+    """SQLAlchemy's recipe for a pooled connection that crossed a fork: the pool entry and
+    the checkout forget the DB-API connection without touching it, so that this process
+    neither resets, nor closes, nor lends out the parent's session (through the socket
+    they share), and the pool opens a new connection at the entry's next checkout."""
+    fairy._connection_record.dbapi_connection = fairy.dbapi_connection = None
+
+
+def _connected(dbapi_connection: Any, record: Any) -> None:
+    # Which process opened the connection (see _pid).
+    record.info[_OPENER] = _pid
 
 
 def _checkin_guard(dbapi_connection: Any, record: Any) -> None:
@@ -917,8 +1031,11 @@ def _checkin_guard(dbapi_connection: Any, record: Any) -> None:
 
 
 def guard_engine(engine: Engine) -> Engine:
-    """Put the contract floors' pool guard on ``engine``'s pool (once)."""
+    """Put the contract floors' listeners on ``engine``'s pool (once), before it opens a
+    connection: the process that opened each connection (``_connected``), and the pool
+    guard at checkin."""
     if not event.contains(engine, "checkin", _checkin_guard):
+        event.listen(engine, "connect", _connected)
         event.listen(engine, "checkin", _checkin_guard)
     return engine
 
@@ -945,9 +1062,13 @@ class _SessionContractFloorLock(_ContractFloorLock):
         if self._claim.setdefault(0, me) != me:  # see _claim
             raise _claimed()
         if self._held is not None:  # a re-entry of this object
-            self._registry[0][self._key] += 1
-            self._count += 1
-            return self
+            if self._registry[3] == _pid:
+                self._registry[0][self._key] += 1
+                self._count += 1
+                return self
+            # A forked child's copy of the parent's holding (see _pid): the object takes
+            # the lock anew, on a lock connection of this process's.
+            self._held = None
         session = self._connection
         try:
             pinned = session.bind
@@ -965,7 +1086,10 @@ class _SessionContractFloorLock(_ContractFloorLock):
             registry = fairy.info.get(_REGISTRY)
             if registry is None:
                 registry = _pooled_registry(fairy)
-            holders, statements, _ = registry
+            holders, statements, _, opener = registry
+            if opener != _pid:  # see _pid; before the holders: never a re-entry in a child
+                connection, engine, registry = _own_session_connection(session, connection)
+                holders, statements, _, opener = registry
             count = holders.get(self._key)
             if count:  # another lock object of this Session holds this name: counted
                 holders[self._key] = count + 1
@@ -989,7 +1113,7 @@ class _SessionContractFloorLock(_ContractFloorLock):
         count = self._count
         if not count:
             raise _not_held()
-        holders, statements, _ = self._registry
+        holders, statements, _, opener = self._registry
         held = holders[self._key] - 1
         if held:
             holders[self._key] = held
@@ -1001,6 +1125,11 @@ class _SessionContractFloorLock(_ContractFloorLock):
         self._count = 0
         connection, self._held = self._held, None
         try:
+            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+                _cut(connection.connection)
+                self._connection.bind = self._engine
+                connection.close()
+                return
             released = statements.run(UNLOCK_SQL, (self._key,))
             if not holders:
                 self._connection.bind = self._engine
@@ -1009,6 +1138,26 @@ class _SessionContractFloorLock(_ContractFloorLock):
             del self._claim[0]  # see _claim: free once the unlock is sent
         if released != b"t":
             raise RuntimeError("lost")
+
+
+def _own_session_connection(
+    session: Session, connection: SAConnection
+) -> tuple[SAConnection, Engine, _PooledRegistry]:
+    """In a forked child: a lock connection of this process's for ``session``, in place
+    of ``connection``, the parent's (the Session's lock connection, pinned by a lock of
+    the parent's, or a checkout of a connection the parent opened): each such
+    connection is cut from the pool (``_cut``) and the Session's engine asked again."""
+    engine = connection.engine
+    session.bind = engine
+    while True:
+        _cut(connection.connection)
+        connection.close()
+        connection = engine.connect()
+        fairy = connection.connection
+        registry = fairy.info.get(_REGISTRY) or _pooled_registry(fairy)
+        if registry[3] == _pid:
+            session.bind = connection
+            return connection, engine, registry
 
 
 # Each contract floor's lock class, by its case name; each takes (bind, name, timeout).
@@ -1095,7 +1244,7 @@ def session_contract_floor(url: URL, stack: ExitStack) -> Case:
 def connection_contract_floor(url: URL, stack: ExitStack) -> Case:
     """The contract floor on a SQLAlchemy Connection outside a transaction."""
     tracked = TrackedEngine(url, stack)
-    connection = tracked.engine.connect()
+    connection = guard_engine(tracked.engine).connect()
     stack.callback(connection.close)
     return _contract_case(
         CONNECTION_CONTRACT,
