@@ -41,7 +41,7 @@ from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 
-from advisory_locks.errors import LockUsageError
+from advisory_locks.errors import LockUsageError, UnsupportedFeature
 from benchmarks.measure import Case, Stopwatch
 from benchmarks.postgres import TrackedEngine
 from benchmarks.uncontended import (
@@ -103,10 +103,14 @@ class FloorLock(Protocol):
     def release(self) -> None: ...
 
 
-# The twin's statements with libpq's placeholders.
+# The server process a connection's statements run in (the contract floors' server
+# check for poolers, once per connection: see _ContractFloorLock).
+SERVER_PID_SQL = "SELECT pg_catalog.pg_backend_pid()"
+
+# The twin's statements (and the server check's) with libpq's placeholders.
 _COMMANDS = {
     sql: sql.replace("%s", "$1", 1).replace("%s", "$2", 1).encode()
-    for sql in (TIMEOUT_LOCK_SQL, UNLOCK_SQL)
+    for sql in (TIMEOUT_LOCK_SQL, UNLOCK_SQL, SERVER_PID_SQL)
 }
 
 
@@ -393,8 +397,18 @@ class _ContractFloorLock:
     statement and before its unlock: a forked child's copy of the connection is
     refused, and a child's release of an object its parent acquired sends no unlock.
 
+    Poolers (a transaction pooler runs a session lock's statements on server sessions
+    that other clients then use): the registry is made only after the server was asked,
+    at the connection's first lock, which server process the statements run in; if it
+    is not the one the driver connected to, a pooler or proxy is in between, and the
+    registry's process id is stored negated, so that the comparison above sends every
+    lock on that connection to the slow path (``_allowed``) too. Each lock also tests
+    whether any bind was declared behind a pooler (``declare_pooler``): only then is
+    the declaration looked up. A session lock is refused behind a declared transaction
+    pooler, and behind an undeclared one.
+
     Left out, though the library does them, because a library could choose otherwise:
-    the server check for poolers, events, error translation. Left out as no part of a
+    events, error translation. Left out as no part of a
     lock's cost: the library's look, in a forked child, at a connection's socket when it
     first meets the connection (one ``fstat`` per connection, against the sockets found
     open at the fork), which tells that a connection the parent opened but never locked
@@ -428,11 +442,11 @@ class _ContractFloorLock:
         connection = self._connection
         registry = connection.__dict__.get(_REGISTRY)
         if registry is None:
-            registry = connection.__dict__[_REGISTRY] = {}, Statements(connection), _pid
+            registry = _raw_registry(self, connection)
         holders, statements, opener = registry
-        if opener != _pid:  # see _pid; before the holders: never a re-entry in a child
-            del self._claim[0]
-            raise _inherited()
+        if opener != _pid or _DECLARED_POOLERS:  # see _pid and _server_opener
+            # (before the holders: never a re-entry in a child, nor behind a pooler)
+            _allowed(self, opener, _declared(connection))
         count = holders.get(self._key)
         if count:  # held on this connection, by this object or another: counted
             holders[self._key] = count + 1
@@ -470,7 +484,7 @@ class _ContractFloorLock:
         del holders[self._key]
         self._count = 0
         try:
-            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+            if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 return
             if connection.closed:
                 raise RuntimeError("lost")
@@ -522,6 +536,88 @@ def _forked_child() -> None:
 
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_forked_child)
+
+
+# Poolers (DESIGN: PgBouncer transaction pooling: session locks are never safe; the
+# library asks the server once per connection whether a pooler is in between, and
+# refuses session locks behind a declared transaction pooler, or an undeclared one).
+# A raw driver's bind is declared with declare_pooler(), as the library's
+# advisory_locks.declare_pooler(); every lock tests whether any is declared at all.
+_DECLARED_POOLERS: dict[int, tuple[object, str]] = {}
+_POOLER_MODES = ("transaction", "session", "none")
+# The library's execution option for an Engine or a Connection. A lock reads the
+# options as the attribute that their get_execution_options() returns (SQLAlchemy 2.0
+# and 2.1), as a library's compatibility module could, without the method's call.
+POOLER_OPTION = "advisory_locks_pooler"
+
+
+def declare_pooler(bind: object, pooler: str) -> None:
+    """What sits between a raw driver's connection or pool and the server (the floors'
+    ``advisory_locks.declare_pooler``); the bind is kept, so that its id stays its own."""
+    if pooler not in _POOLER_MODES:
+        raise ValueError(f"pooler must be one of {_POOLER_MODES}")
+    _DECLARED_POOLERS[id(bind)] = bind, pooler
+
+
+def _declared(*binds: object) -> str | None:
+    for bind in binds:
+        declared = _DECLARED_POOLERS.get(id(bind))
+        if declared is not None and declared[0] is bind:
+            return declared[1]
+    return None
+
+
+def _server_opener(connection_pid: int, server_pid: bytes | int | None) -> int:
+    """The opener a connection's registry records, from the server check made at its
+    first lock: this process's id when the statements run in the server process the
+    driver connected to, else that id negated (a pooler or proxy in between), which a
+    lock's comparison with ``_pid`` sends to the slow path (``_allowed``)."""
+    return _pid if server_pid is not None and int(server_pid) == connection_pid else -_pid
+
+
+def _allowed(lock: Any, opener: int, pooler: object) -> None:
+    """The slow path of a lock's checks: raise (the object no longer claimed) unless a
+    session lock may be taken on a connection whose registry records ``opener`` under the
+    declaration ``pooler``."""
+    try:
+        if opener != _pid and opener != -_pid:
+            raise _inherited()
+        _pooler_allows(pooler, opener == -_pid)
+    except BaseException:
+        del lock._claim[0]
+        raise
+
+
+def _pooler_allows(pooler: object, behind_proxy: bool) -> None:
+    if pooler is not None and pooler not in _POOLER_MODES:
+        raise ValueError(f"the pooler declaration must be one of {_POOLER_MODES}")
+    if pooler == "transaction":
+        raise UnsupportedFeature(
+            "session advisory locks are refused behind a declared transaction pooler"
+        )
+    if behind_proxy and pooler is None:
+        raise UnsupportedFeature(
+            "session advisory locks are refused: this connection reaches the server "
+            "through a pooler or proxy that was not declared"
+        )
+
+
+def _raw_registry(lock: Any, connection: Any) -> tuple[dict[int, int], Statements, int]:
+    """A raw psycopg connection's registry, made at its first lock, after the server
+    check (see ``_server_opener``)."""
+    statements = Statements(connection)
+    try:
+        server_pid = statements.run(SERVER_PID_SQL, ())
+    except BaseException:
+        del lock._claim[0]
+        raise
+    registry: tuple[dict[int, int], Statements, int] = (
+        {},
+        statements,
+        _server_opener(connection.pgconn.backend_pid, server_pid),
+    )
+    connection.__dict__[_REGISTRY] = registry
+    return registry
 
 
 def _inherited() -> LockUsageError:
@@ -578,8 +674,15 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
             if registry is None:
                 registry = _pooled_registry(fairy)
             holders, statements, pgconn, opener = registry
-            if opener != _pid:  # see _pid; before the holders: never a re-entry in a child
-                raise _inherited()
+            if opener != _pid or POOLER_OPTION in self._connection._execution_options:
+                # See _pid and _server_opener (before the holders: never a re-entry in a
+                # child, nor behind a pooler).
+                if opener != _pid and opener != -_pid:
+                    raise _inherited()
+                _pooler_allows(
+                    self._connection._execution_options.get(POOLER_OPTION),
+                    opener == -_pid,
+                )
             count = holders.get(self._key)
             if count:  # held on this connection, by this object or another: counted
                 holders[self._key] = count + 1
@@ -610,7 +713,7 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
         del holders[self._key]
         self._count = 0
         try:
-            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+            if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 return
             if pgconn.transaction_status != IDLE:
                 raise RuntimeError("the Connection floors cover a Connection outside a transaction")
@@ -631,10 +734,15 @@ def _pooled_registry(fairy: PoolProxiedConnection) -> _PooledRegistry:
     DB-API connection is replaced): the holders counted on it, its statements, its
     libpq connection, asked whether a transaction is open, and the process that opened
     it, as ``_connected`` recorded it (a connection opened before the pool was hooked is
-    taken for this process's: see ``_ContractFloorLock`` on forked children)."""
+    taken for this process's: see ``_ContractFloorLock`` on forked children), stored
+    negated when the server check, made here, finds a pooler or proxy in between (see
+    ``_server_opener``)."""
     dbapi: Any = fairy.dbapi_connection
     opener = fairy.info.get(_OPENER, _pid)
-    registry: _PooledRegistry = ({}, _cursor(fairy), dbapi.pgconn, opener)
+    statements = _cursor(fairy)
+    if opener == _pid:  # a forked child's copy is refused: nothing may be sent on it
+        opener = _server_opener(dbapi.pgconn.backend_pid, statements.run(SERVER_PID_SQL, ()))
+    registry: _PooledRegistry = ({}, statements, dbapi.pgconn, opener)
     fairy.info[_REGISTRY] = registry
     return registry
 
@@ -676,12 +784,15 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
         connection = self._connection
         registry = self._holders.get(id(connection))
         if registry is None:
-            registry = self._holders[id(connection)] = {}, _pid
-            weakref.finalize(connection, self._holders.pop, id(connection), None)
+            try:
+                registry = await _asyncpg_registry(connection)
+            except BaseException:
+                del self._claim[0]
+                raise
         holders, opener = registry
-        if opener != _pid:  # see _pid; before the holders: never a re-entry in a child
-            del self._claim[0]
-            raise _inherited()
+        if opener != _pid or _DECLARED_POOLERS:  # see _pid and _server_opener
+            # (before the holders: never a re-entry in a child, nor behind a pooler)
+            _allowed(self, opener, _declared(connection))
         count = holders.get(self._key)
         if count:  # held on this connection, by this object or another: counted
             holders[self._key] = count + 1
@@ -716,7 +827,7 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
         del holders[self._key]
         self._count = 0
         try:
-            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+            if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 return
             if connection.is_closed():
                 raise RuntimeError("lost")
@@ -725,6 +836,21 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
             del self._claim[0]  # see _claim: free once the unlock is sent
         if not released:
             raise RuntimeError("lost")
+
+
+async def _asyncpg_registry(connection: Any) -> tuple[dict[int, int], int]:
+    """An asyncpg connection's registry, made at its first lock, after the server check
+    (see ``_server_opener``), with a finalizer that removes it when the connection goes."""
+    server_pid = await connection.fetchval(SERVER_PID_SQL)
+    holders = AsyncpgContractFloorLock._holders
+    registry = holders.get(id(connection))
+    if registry is None:
+        registry = holders[id(connection)] = (
+            {},
+            _server_opener(connection.get_server_pid(), server_pid),
+        )
+        weakref.finalize(connection, holders.pop, id(connection), None)
+    return registry
 
 
 class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
@@ -748,7 +874,7 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
             raise _claimed()
         if self._proxy is not None:  # a re-entry of this object, on its connection
             holders, opener = self._holders[id(self._connection)]
-            if opener != _pid:  # see _pid: the parent's holding, not a re-entry
+            if opener != _pid and opener != -_pid:  # see _pid: the parent's holding
                 del self._claim[0]
                 raise _inherited()
             holders[self._key] += 1
@@ -759,15 +885,16 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
             connection = proxy._con
             registry = self._holders.get(id(connection))
             if registry is None:
-                registry = self._holders[id(connection)] = {}, _pid
-                weakref.finalize(connection, self._holders.pop, id(connection), None)
+                registry = await _asyncpg_registry(connection)
             holders, opener = registry
-            if opener != _pid:  # see _pid: the pool's connection is the parent's
-                # Closed without a word to the server (a socket of the child's own), so
-                # that the pool's reset at the release below never runs in the parent's
-                # session; the pool opens a new connection in its place.
-                connection.terminate()
-                raise _inherited()
+            if opener != _pid or _DECLARED_POOLERS:  # see _pid and _server_opener
+                if opener != _pid and opener != -_pid:  # the parent's connection
+                    # Closed without a word to the server (a socket of the child's own),
+                    # so that the pool's reset at the release below never runs in the
+                    # parent's session; the pool opens a new connection in its place.
+                    connection.terminate()
+                    raise _inherited()
+                _pooler_allows(_declared(self._pool, proxy), opener == -_pid)
             if connection.is_closed():
                 raise RuntimeError("closed")
             if connection.is_in_transaction():
@@ -797,7 +924,7 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
         del holders[self._key]
         self._proxy = None
         try:
-            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+            if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 connection.terminate()  # (as in __aenter__)
                 return
             if connection.is_closed():
@@ -858,16 +985,13 @@ class _DjangoContractFloorLock:
             raw = wrapper.connection
             registry: Any = wrapper.__dict__.get(_REGISTRY)
             if registry is None or registry[0] is not raw:
-                registry = wrapper.__dict__[_REGISTRY] = (
-                    raw,
-                    {},
-                    Statements(raw, prepare=False),
-                    [],
-                    _pid,
-                )
+                registry = _django_registry(wrapper, raw)
             _, holders, cursor, in_request, opener = registry
-            if opener != _pid:  # see _pid; before the holders: never a re-entry in a child
-                raise _inherited()
+            if opener != _pid or not _django_no_poolers:  # see _pid and _server_opener
+                # (before the holders: never a re-entry in a child, nor behind a pooler)
+                if opener != _pid and opener != -_pid:
+                    raise _inherited()
+                _pooler_allows(_django_pooler(self._alias), opener == -_pid)
             self._wrapper = wrapper
             count = holders.get(self._key)
             if count:  # held on this connection, by this object or another: counted
@@ -908,11 +1032,51 @@ class _DjangoContractFloorLock:
         if in_request:
             in_request.remove(self._key)
         try:
-            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+            if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 return
             _run(cursor, UNLOCK_SQL, (self._key,))  # raises for a lost lock
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
+
+
+def _django_registry(wrapper: Any, raw: Any) -> Any:
+    """The registry of Django's DB-API connection ``raw``, made at its first lock there,
+    after the server check (see ``_server_opener``): the connection, its holders, its
+    statements, the keys locked during a request, and the opener."""
+    cursor = Statements(raw, prepare=False)
+    opener = _server_opener(raw.pgconn.backend_pid, cursor.run(SERVER_PID_SQL, ()))
+    registry: tuple[Any, dict[int, int], Statements, list[int], int]
+    registry = wrapper.__dict__[_REGISTRY] = raw, {}, cursor, [], opener
+    return registry
+
+
+# Django's pooler declarations (ADVISORY_LOCKS["POOLERS"], alias -> mode): True once
+# they were read and declare none, until a setting_changed signal says they may have
+# changed (Django reads its settings once; tests override them). Every lock tests it.
+_django_no_poolers = False
+_SESSION_UNSAFE_POOLERS = ("pgbouncer-transaction", "pgbouncer-statement")
+
+
+def _django_pooler(alias: str) -> str | None:
+    """The pooler declared for ``alias``, in declare_pooler's words (read when a lock
+    finds ``_django_no_poolers`` False)."""
+    global _django_no_poolers
+    from django.conf import settings
+    from django.core.signals import setting_changed
+
+    setting_changed.connect(_django_settings_changed, dispatch_uid=__name__)
+    poolers = getattr(settings, "ADVISORY_LOCKS", {}).get("POOLERS", {})
+    _django_no_poolers = not poolers
+    pooler = poolers.get(alias)
+    if pooler is None:
+        return None
+    return "transaction" if pooler in _SESSION_UNSAFE_POOLERS else "session"
+
+
+def _django_settings_changed(*, setting: str, **kwargs: Any) -> None:
+    global _django_no_poolers
+    if setting == "ADVISORY_LOCKS":
+        _django_no_poolers = False
 
 
 class _RequestFlag(threading.local):
@@ -945,7 +1109,7 @@ class _EngineContractFloorLock(_ContractFloorLock):
         if self._claim.setdefault(0, me) != me:  # see _claim
             raise _claimed()
         if self._fairy is not None:  # a re-entry of this object, on its checkout
-            if self._registry[3] == _pid:
+            if self._registry[3] in (_pid, -_pid):  # (negated: see _server_opener)
                 self._registry[0][self._key] += 1
                 return self
             # A forked child's copy of the parent's holding (see _pid): the object takes
@@ -959,9 +1123,15 @@ class _EngineContractFloorLock(_ContractFloorLock):
             if registry is None:
                 registry = _pooled_registry(fairy)
             holders, statements, pgconn, opener = registry
-            if opener != _pid:  # see _pid: in a forked child, a checkout of the parent's
-                fairy, registry = _own_checkout(self._connection, fairy)
-                holders, statements, pgconn, opener = registry
+            if opener != _pid or POOLER_OPTION in self._connection._execution_options:
+                # See _pid and _server_opener.
+                if opener != _pid and opener != -_pid:  # a checkout of the parent's
+                    fairy, registry = _own_checkout(self._connection, fairy)
+                    holders, statements, pgconn, opener = registry
+                _pooler_allows(
+                    self._connection._execution_options.get(POOLER_OPTION),
+                    opener == -_pid,
+                )
             if pgconn.transaction_status != IDLE:
                 raise RuntimeError("floor.engine.contract covers a checkout outside a transaction")
             statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
@@ -986,7 +1156,7 @@ class _EngineContractFloorLock(_ContractFloorLock):
         del holders[self._key]
         self._fairy = None
         try:
-            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+            if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 _cut(fairy)
                 fairy.close()
                 return
@@ -1007,7 +1177,7 @@ def _own_checkout(engine: Engine, fairy: Any) -> tuple[Any, _PooledRegistry]:
         fairy.close()
         fairy = engine.raw_connection()
         registry = fairy.info.get(_REGISTRY) or _pooled_registry(fairy)
-        if registry[3] == _pid:
+        if registry[3] in (_pid, -_pid):  # (negated: see _server_opener)
             return fairy, registry
 
 
@@ -1062,7 +1232,7 @@ class _SessionContractFloorLock(_ContractFloorLock):
         if self._claim.setdefault(0, me) != me:  # see _claim
             raise _claimed()
         if self._held is not None:  # a re-entry of this object
-            if self._registry[3] == _pid:
+            if self._registry[3] in (_pid, -_pid):  # (negated: see _server_opener)
                 self._registry[0][self._key] += 1
                 self._count += 1
                 return self
@@ -1087,9 +1257,22 @@ class _SessionContractFloorLock(_ContractFloorLock):
             if registry is None:
                 registry = _pooled_registry(fairy)
             holders, statements, _, opener = registry
-            if opener != _pid:  # see _pid; before the holders: never a re-entry in a child
-                connection, engine, registry = _own_session_connection(session, connection)
-                holders, statements, _, opener = registry
+            if opener != _pid or POOLER_OPTION in connection._execution_options:
+                # See _pid and _server_opener (before the holders: never a re-entry in a
+                # child, nor behind a pooler).
+                if opener != _pid and opener != -_pid:  # the parent's connection
+                    connection, engine, registry = _own_session_connection(session, connection)
+                    holders, statements, _, opener = registry
+                try:
+                    _pooler_allows(
+                        connection._execution_options.get(POOLER_OPTION),
+                        opener == -_pid,
+                    )
+                except BaseException:
+                    if not holders:
+                        session.bind = engine
+                        connection.close()
+                    raise
             count = holders.get(self._key)
             if count:  # another lock object of this Session holds this name: counted
                 holders[self._key] = count + 1
@@ -1125,7 +1308,7 @@ class _SessionContractFloorLock(_ContractFloorLock):
         self._count = 0
         connection, self._held = self._held, None
         try:
-            if opener != _pid:  # see _pid: the parent's lock, never unlocked by a child
+            if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 _cut(connection.connection)
                 self._connection.bind = self._engine
                 connection.close()
@@ -1155,7 +1338,7 @@ def _own_session_connection(
         connection = engine.connect()
         fairy = connection.connection
         registry = fairy.info.get(_REGISTRY) or _pooled_registry(fairy)
-        if registry[3] == _pid:
+        if registry[3] in (_pid, -_pid):  # (negated: see _server_opener)
             session.bind = connection
             return connection, engine, registry
 
