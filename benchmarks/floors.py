@@ -946,9 +946,11 @@ class _DjangoContractFloorLock:
     between two locks), and notes a lock granted inside a request, whose end must release
     it (``request_finished``; the thread-local flag read here is the library's own). At
     release it finds the holders through the wrapper it locked on, checks that the
-    DB-API connection is still the one, and checks the unlock's answer. What the library
-    does on this bind and this floor leaves out is ``_ContractFloorLock``'s list, plus
-    settings read for defaults, ``atomic()`` for ``transaction=True`` and the close hook.
+    DB-API connection is still the one, and checks the unlock's answer. Django's lock
+    signals (``_SIGNAL_RECEIVERS``): one test at the grant and one at the unlock. What
+    the library does on this bind and this floor leaves out is ``_ContractFloorLock``'s
+    list, plus settings read for defaults, ``atomic()`` for ``transaction=True`` and the
+    close hook.
     """
 
     __slots__ = ("_alias", "_claim", "_count", "_key", "_timeout_ms", "_wrapper")
@@ -1001,11 +1003,15 @@ class _DjangoContractFloorLock:
             _run(cursor, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
         except BaseException:
             del self._claim[0]
+            if _SIGNAL_RECEIVERS:
+                _signal("lock_failed", self._alias, self._key)
             raise
         holders[self._key] = 1
         self._count = 1
         if _DJANGO_REQUEST.active:
             in_request.append(self._key)
+        if _SIGNAL_RECEIVERS:
+            _signal("lock_acquired", self._alias, self._key)
         return self
 
     def release(self) -> None:
@@ -1037,6 +1043,22 @@ class _DjangoContractFloorLock:
             _run(cursor, UNLOCK_SQL, (self._key,))  # raises for a lost lock
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
+        if _SIGNAL_RECEIVERS:
+            _signal("lock_released", self._alias, self._key)
+
+
+# Django's lock signals (DESIGN, Django: lock_acquired, lock_released, lock_failed). A
+# floor of their own would cost the same as the library's on the benchmark's path: the
+# receivers, in a list that stays empty while none is connected (the library keeps its
+# core's listener list so: its Signal subclass subscribes a forwarder when a receiver
+# connects), tested once at a grant and once at an unlock. (A re-entry, which the server
+# never sees, sends none.)
+_SIGNAL_RECEIVERS: list[Callable[[str, str, int], None]] = []
+
+
+def _signal(kind: str, alias: str, key: int) -> None:
+    for receiver in list(_SIGNAL_RECEIVERS):
+        receiver(kind, alias, key)
 
 
 def _django_registry(wrapper: Any, raw: Any) -> Any:
