@@ -672,8 +672,8 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
             fairy = self._connection.connection  # a closed Connection raises here
             registry = fairy.info.get(_REGISTRY)
             if registry is None:
-                registry = _pooled_registry(fairy)
-            holders, statements, pgconn, opener = registry
+                registry = _pooled_registry(fairy, self._connection.engine.pool)
+            holders, statements, pgconn, opener, _ = registry
             if opener != _pid or POOLER_OPTION in self._connection._execution_options:
                 # See _pid and _server_opener (before the holders: never a re-entry in a
                 # child, nor behind a pooler).
@@ -704,7 +704,7 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
         count = self._count
         if not count:
             raise _not_held()
-        holders, statements, pgconn, opener = self._registry
+        holders, statements, pgconn, opener, _ = self._registry
         held = holders[self._key] - 1
         if held:
             holders[self._key] = held
@@ -725,10 +725,10 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
 
 
 # A pooled connection's registry entry (_pooled_registry).
-_PooledRegistry = tuple[dict[int, int], Statements, Any, int]
+_PooledRegistry = tuple[dict[int, int], Statements, Any, int, Any]
 
 
-def _pooled_registry(fairy: PoolProxiedConnection) -> _PooledRegistry:
+def _pooled_registry(fairy: PoolProxiedConnection, pool: Any) -> _PooledRegistry:
     """A pooled DB-API connection's registry entry for the SQLAlchemy contract floors,
     made at its first lock and kept in its ``info`` (which SQLAlchemy empties when the
     DB-API connection is replaced): the holders counted on it, its statements, its
@@ -736,13 +736,13 @@ def _pooled_registry(fairy: PoolProxiedConnection) -> _PooledRegistry:
     it, as ``_connected`` recorded it (a connection opened before the pool was hooked is
     taken for this process's: see ``_ContractFloorLock`` on forked children), stored
     negated when the server check, made here, finds a pooler or proxy in between (see
-    ``_server_opener``)."""
+    ``_server_opener``), and its pool (see ``_LENT``)."""
     dbapi: Any = fairy.dbapi_connection
     opener = fairy.info.get(_OPENER, _pid)
     statements = _cursor(fairy)
     if opener == _pid:  # a forked child's copy is refused: nothing may be sent on it
         opener = _server_opener(dbapi.pgconn.backend_pid, statements.run(SERVER_PID_SQL, ()))
-    registry: _PooledRegistry = ({}, statements, dbapi.pgconn, opener)
+    registry: _PooledRegistry = ({}, statements, dbapi.pgconn, opener, pool)
     fairy.info[_REGISTRY] = registry
     return registry
 
@@ -785,7 +785,7 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
         registry = self._holders.get(id(connection))
         if registry is None:
             try:
-                registry = await _asyncpg_registry(connection)
+                registry = await _asyncpg_registry(connection, self._holders)
             except BaseException:
                 del self._claim[0]
                 raise
@@ -838,19 +838,27 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
             raise RuntimeError("lost")
 
 
-async def _asyncpg_registry(connection: Any) -> tuple[dict[int, int], int]:
-    """An asyncpg connection's registry, made at its first lock, after the server check
-    (see ``_server_opener``), with a finalizer that removes it when the connection goes."""
+async def _asyncpg_registry(
+    connection: Any, registries: dict[int, Any], *pool: int
+) -> tuple[Any, ...]:
+    """An asyncpg connection's registry in ``registries``, made at its first lock, after
+    the server check (see ``_server_opener``), with a finalizer that removes it when the
+    connection goes: its holders, its opener, and the id of its ``pool`` if given."""
     server_pid = await connection.fetchval(SERVER_PID_SQL)
-    holders = AsyncpgContractFloorLock._holders
-    registry = holders.get(id(connection))
+    registry = registries.get(id(connection))
     if registry is None:
-        registry = holders[id(connection)] = (
-            {},
-            _server_opener(connection.get_server_pid(), server_pid),
-        )
-        weakref.finalize(connection, holders.pop, id(connection), None)
+        opener = _server_opener(connection.get_server_pid(), server_pid)
+        registry = registries[id(connection)] = ({}, opener, *pool)
+        weakref.finalize(connection, registries.pop, id(connection), None)
     return registry
+
+
+# current_advisory_locks(bind) on an asyncpg pool (DESIGN: the names this library holds
+# through that bind): the registry of each pool connection a lock holds, from its grant
+# to its unlock, by the connection's id (the registry records its pool's id, which says
+# whose it is). Not the connection or its proxy: a lock object dropped while it holds
+# the lock keeps nothing else alive.
+_POOL_LENT: dict[int, tuple[dict[int, int], int, int]] = {}
 
 
 class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
@@ -859,9 +867,13 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
     the pool after the unlock, with ``AsyncpgContractFloorLock``'s bookkeeping on the
     connection the pool's proxy wraps (the proxy, one per acquire, takes no weak
     reference). Only this object's holds count on its connection while it has it, so
-    that connection's count is the object's own."""
+    that connection's count is the object's own. A pool's connections have registries
+    of their own (``_registries``), which also record their pool."""
 
     __slots__ = ("_pool", "_proxy")
+
+    # By the connection's id: its holders, its opener (see _pid) and its pool's id.
+    _registries: ClassVar[dict[int, tuple[dict[int, int], int, int]]] = {}
 
     def __init__(self, pool: Any, name: str, timeout: float) -> None:
         super().__init__(None, name, timeout)
@@ -873,7 +885,7 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
         if self._claim.setdefault(0, me) != me:  # see _claim
             raise _claimed()
         if self._proxy is not None:  # a re-entry of this object, on its connection
-            holders, opener = self._holders[id(self._connection)]
+            holders, opener, _ = self._registries[id(self._connection)]
             if opener != _pid and opener != -_pid:  # see _pid: the parent's holding
                 del self._claim[0]
                 raise _inherited()
@@ -883,10 +895,11 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
         try:
             proxy = await self._pool.acquire()
             connection = proxy._con
-            registry = self._holders.get(id(connection))
+            ident = id(connection)
+            registry = self._registries.get(ident)
             if registry is None:
-                registry = await _asyncpg_registry(connection)
-            holders, opener = registry
+                registry = await _asyncpg_registry(connection, self._registries, id(self._pool))
+            holders, opener, _ = registry
             if opener != _pid or _DECLARED_POOLERS:  # see _pid and _server_opener
                 if opener != _pid and opener != -_pid:  # the parent's connection
                     # Closed without a word to the server (a socket of the child's own),
@@ -908,6 +921,7 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
                 await self._pool.release(proxy)
             raise
         holders[self._key] = 1
+        _POOL_LENT[ident] = registry
         self._proxy, self._connection = proxy, connection
         return self
 
@@ -916,12 +930,14 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
         if proxy is None:
             raise _not_held()
         connection = self._connection
-        holders, opener = self._holders[id(connection)]
+        ident = id(connection)
+        holders, opener, _ = self._registries[ident]
         held = holders[self._key] - 1
         if held:  # an outer hold of this object
             holders[self._key] = held
             return
         del holders[self._key]
+        del _POOL_LENT[ident]
         self._proxy = None
         try:
             if opener != _pid and opener != -_pid:  # see _pid: a child's copy
@@ -1143,13 +1159,13 @@ class _EngineContractFloorLock(_ContractFloorLock):
             fairy = self._connection.raw_connection()
             registry = fairy.info.get(_REGISTRY)
             if registry is None:
-                registry = _pooled_registry(fairy)
-            holders, statements, pgconn, opener = registry
+                registry = _pooled_registry(fairy, self._connection.pool)
+            holders, statements, pgconn, opener, _ = registry
             if opener != _pid or POOLER_OPTION in self._connection._execution_options:
                 # See _pid and _server_opener.
                 if opener != _pid and opener != -_pid:  # a checkout of the parent's
                     fairy, registry = _own_checkout(self._connection, fairy)
-                    holders, statements, pgconn, opener = registry
+                    holders, statements, pgconn, opener, _ = registry
                 _pooler_allows(
                     self._connection._execution_options.get(POOLER_OPTION),
                     opener == -_pid,
@@ -1163,6 +1179,7 @@ class _EngineContractFloorLock(_ContractFloorLock):
                 fairy.close()
             raise
         holders[self._key] = 1
+        _LENT[statements] = registry
         self._fairy, self._registry = fairy, registry
         return self
 
@@ -1170,12 +1187,13 @@ class _EngineContractFloorLock(_ContractFloorLock):
         fairy = self._fairy
         if fairy is None:
             raise _not_held()
-        holders, statements, _, opener = self._registry
+        holders, statements, _, opener, _ = self._registry
         held = holders[self._key] - 1
         if held:  # an outer hold of this object (only its holds count on its checkout)
             holders[self._key] = held
             return
         del holders[self._key]
+        del _LENT[statements]
         self._fairy = None
         try:
             if opener != _pid and opener != -_pid:  # see _pid: a child's copy
@@ -1190,6 +1208,15 @@ class _EngineContractFloorLock(_ContractFloorLock):
             raise RuntimeError("lost")
 
 
+# current_advisory_locks(bind) on an Engine (DESIGN: the names this library holds
+# through that bind): the registry of each connection an Engine lock holds, from its
+# grant to its unlock, by the connection's statements (its registry records its pool,
+# which says whose it is). Not the checkout itself: a lock object dropped while it holds
+# the lock must still let the pool take its connection back, where the pool guard
+# unlocks it (and takes it out of here).
+_LENT: dict[Statements, _PooledRegistry] = {}
+
+
 def _own_checkout(engine: Engine, fairy: Any) -> tuple[Any, _PooledRegistry]:
     """In a forked child: a checkout of a connection this process opened, in place of
     ``fairy``, the parent's. Each of the parent's connections the pool hands out is cut
@@ -1198,7 +1225,7 @@ def _own_checkout(engine: Engine, fairy: Any) -> tuple[Any, _PooledRegistry]:
         _cut(fairy)
         fairy.close()
         fairy = engine.raw_connection()
-        registry = fairy.info.get(_REGISTRY) or _pooled_registry(fairy)
+        registry = fairy.info.get(_REGISTRY) or _pooled_registry(fairy, engine.pool)
         if registry[3] in (_pid, -_pid):  # (negated: see _server_opener)
             return fairy, registry
 
@@ -1217,9 +1244,28 @@ def _connected(dbapi_connection: Any, record: Any) -> None:
 
 
 def _checkin_guard(dbapi_connection: Any, record: Any) -> None:
+    # The pool guard (DESIGN: no pooled connection is ever checked back in while holding
+    # a lock taken through this library): a connection that comes back while its
+    # registry still counts a lock (its lock object was dropped while held, or its
+    # Connection closed inside the block) is unlocked, here, before anyone else can
+    # check it out; one that cannot be is discarded, which ends its server session.
     registry = record.info.get(_REGISTRY)
     if dbapi_connection is not None and registry is not None and registry[0]:
-        raise RuntimeError("a connection went back to the pool holding a lock")
+        _unlock_at_checkin(record, registry)
+
+
+def _unlock_at_checkin(record: Any, registry: _PooledRegistry) -> None:
+    holders, statements, _, opener, _ = registry
+    keys = list(holders)
+    holders.clear()
+    _LENT.pop(statements, None)
+    if opener != _pid and opener != -_pid:  # see _pid: a forked child's copy
+        return
+    try:
+        for key in keys:
+            statements.run(UNLOCK_SQL, (key,))
+    except Exception as error:
+        record.invalidate(error)
 
 
 def guard_engine(engine: Engine) -> Engine:
@@ -1277,14 +1323,14 @@ class _SessionContractFloorLock(_ContractFloorLock):
             fairy = connection.connection
             registry = fairy.info.get(_REGISTRY)
             if registry is None:
-                registry = _pooled_registry(fairy)
-            holders, statements, _, opener = registry
+                registry = _pooled_registry(fairy, engine.pool)
+            holders, statements, _, opener, _ = registry
             if opener != _pid or POOLER_OPTION in connection._execution_options:
                 # See _pid and _server_opener (before the holders: never a re-entry in a
                 # child, nor behind a pooler).
                 if opener != _pid and opener != -_pid:  # the parent's connection
                     connection, engine, registry = _own_session_connection(session, connection)
-                    holders, statements, _, opener = registry
+                    holders, statements, _, opener, _ = registry
                 try:
                     _pooler_allows(
                         connection._execution_options.get(POOLER_OPTION),
@@ -1318,7 +1364,7 @@ class _SessionContractFloorLock(_ContractFloorLock):
         count = self._count
         if not count:
             raise _not_held()
-        holders, statements, _, opener = self._registry
+        holders, statements, _, opener, _ = self._registry
         held = holders[self._key] - 1
         if held:
             holders[self._key] = held
@@ -1359,7 +1405,7 @@ def _own_session_connection(
         connection.close()
         connection = engine.connect()
         fairy = connection.connection
-        registry = fairy.info.get(_REGISTRY) or _pooled_registry(fairy)
+        registry = fairy.info.get(_REGISTRY) or _pooled_registry(fairy, engine.pool)
         if registry[3] in (_pid, -_pid):  # (negated: see _server_opener)
             session.bind = connection
             return connection, engine, registry
