@@ -25,14 +25,16 @@ is open a library would have to join it, which a floor refuses rather than imita
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import threading
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NoReturn, Protocol
 
+import psycopg
 from psycopg import generators
 from psycopg.pq import ExecStatus, TransactionStatus
 from sqlalchemy import event
@@ -41,7 +43,16 @@ from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 
-from advisory_locks.errors import LockUsageError, UnsupportedFeature
+# The contract's errors (DESIGN, "Public API"): the floors raise what a lock keeping the
+# contract must raise.
+from advisory_locks.errors import (
+    LockConnectionLost,
+    LockDeadlock,
+    LockLost,
+    LockTimeout,
+    LockUsageError,
+    UnsupportedFeature,
+)
 from benchmarks.measure import Case, Stopwatch
 from benchmarks.postgres import TrackedEngine
 from benchmarks.uncontended import (
@@ -154,7 +165,8 @@ class Statements:
     @staticmethod
     def _check(result: Any, expected: ExecStatus) -> None:
         if result.status != expected:
-            raise RuntimeError(f"floor: {result.get_error_message()}")
+            # The error psycopg raises for this result (its class and SQLSTATE).
+            raise psycopg.errors.error_from_result(result)
 
 
 def _cursor(fairy: PoolProxiedConnection) -> Statements:
@@ -452,16 +464,16 @@ class _ContractFloorLock:
             holders[self._key] = count + 1
             self._count += 1
             return self
-        try:
+        try:  # see _acquire_error
             if connection.closed:
-                raise RuntimeError("closed")
+                raise LockConnectionLost("the connection is closed")
             if connection.pgconn.transaction_status != IDLE or connection.autocommit:
                 statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
             else:
                 raise RuntimeError("the benchmark's connection is in autocommit")
-        except BaseException:
+        except BaseException as error:
             del self._claim[0]
-            raise
+            _raise(_acquire_error(error), error)
         holders[self._key] = 1
         self._count = 1
         return self
@@ -483,19 +495,21 @@ class _ContractFloorLock:
             return
         del holders[self._key]
         self._count = 0
-        try:
+        try:  # see _acquire_error
             if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 return
             if connection.closed:
-                raise RuntimeError("lost")
+                raise LockLost("the lock's connection is closed")
             if connection.pgconn.transaction_status != IDLE or connection.autocommit:
                 released = statements.run(UNLOCK_SQL, (self._key,))
             else:
                 raise RuntimeError("the benchmark's connection is in autocommit")
+        except BaseException as error:
+            _raise(_release_error(error), error)
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
         if released != b"t":
-            raise RuntimeError("lost")
+            raise _not_released()
 
 
 # One holder per lock object (DESIGN: re-entrancy is counted per connection, so a lock
@@ -606,11 +620,11 @@ def _raw_registry(lock: Any, connection: Any) -> tuple[dict[int, int], Statement
     """A raw psycopg connection's registry, made at its first lock, after the server
     check (see ``_server_opener``)."""
     statements = Statements(connection)
-    try:
+    try:  # see _acquire_error
         server_pid = statements.run(SERVER_PID_SQL, ())
-    except BaseException:
+    except BaseException as error:
         del lock._claim[0]
-        raise
+        _raise(_acquire_error(error), error)
     registry: tuple[dict[int, int], Statements, int] = (
         {},
         statements,
@@ -618,6 +632,72 @@ def _raw_registry(lock: Any, connection: Any) -> tuple[dict[int, int], Statement
     )
     connection.__dict__[_REGISTRY] = registry
     return registry
+
+
+# Errors (DESIGN, errors and "Deployment shapes": every error that means a connection
+# is gone is LockLost when the lock was held and a typed error at acquire, never a raw
+# driver error). Each statement of a lock runs in a try block, which costs nothing on
+# the happy path (an exception table, Python 3.11); its except clause turns the driver's
+# error into the contract's, and lets the bind's pool learn that a connection is gone.
+_GONE = ("57P01", "57P02", "57P03")  # admin_shutdown, crash_shutdown, cannot_connect_now
+_LOCK_NOT_AVAILABLE = "55P03"  # lock_timeout
+_DEADLOCK_DETECTED = "40P01"
+
+
+def _connection_gone(error: BaseException, closed: bool = False) -> bool:
+    """Whether a driver's error means its connection is gone (``closed``: the driver
+    says its connection is closed now)."""
+    if not isinstance(error, Exception):
+        return False  # interrupted (KeyboardInterrupt, a task cancelled): not an answer
+    sqlstate = getattr(error, "sqlstate", None)
+    if isinstance(sqlstate, str) and sqlstate:
+        return sqlstate.startswith("08") or sqlstate in _GONE
+    # A socket that closed under the driver: psycopg's OperationalError without a
+    # SQLSTATE, asyncpg's InterfaceError on a closed connection, a ConnectionError.
+    if isinstance(error, ConnectionError):
+        return True
+    if type(error) in (psycopg.OperationalError, psycopg.InterfaceError):
+        return True
+    return closed and type(error).__module__.startswith("asyncpg")
+
+
+def _acquire_error(error: BaseException, closed: bool = False) -> BaseException:
+    """What a failed lock statement means: busy for the whole timeout, a deadlock, or
+    a connection gone (the contract's errors); else ``error`` itself."""
+    sqlstate = getattr(error, "sqlstate", None)
+    if sqlstate == _LOCK_NOT_AVAILABLE:
+        return LockTimeout("the lock stayed busy for the whole timeout")
+    if sqlstate == _DEADLOCK_DETECTED:
+        return LockDeadlock("the server detected a deadlock")
+    if _connection_gone(error, closed):
+        return LockConnectionLost(f"the lock was not taken: its connection is gone ({error})")
+    return error
+
+
+def _release_error(error: BaseException, closed: bool = False) -> BaseException:
+    """What a failed unlock means: the lock lost with its connection; else ``error``."""
+    if _connection_gone(error, closed):
+        return LockLost(f"the lock was lost: its connection is gone ({error})")
+    return error
+
+
+def _invalidate_if_gone(connection: Any, error: BaseException) -> None:
+    """A SQLAlchemy Connection's or checkout's DB-API connection found gone: invalidated,
+    so that the pool discards it, as SQLAlchemy does when one of its own statements
+    finds it gone."""
+    if _connection_gone(error) and not getattr(connection, "invalidated", False):
+        with contextlib.suppress(Exception):  # closed already: nothing left to discard
+            connection.invalidate(error)
+
+
+def _raise(translated: BaseException, error: BaseException) -> NoReturn:
+    if translated is error:
+        raise error
+    raise translated from error
+
+
+def _not_released() -> LockLost:
+    return LockLost("the server did not hold the lock at its release")
 
 
 def _inherited() -> LockUsageError:
@@ -692,9 +772,10 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
             if pgconn.transaction_status != IDLE:
                 raise RuntimeError("the Connection floors cover a Connection outside a transaction")
             statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
-        except BaseException:
+        except BaseException as error:  # see _acquire_error
             del self._claim[0]
-            raise
+            _invalidate_if_gone(self._connection, error)
+            _raise(_acquire_error(error), error)
         holders[self._key] = 1
         self._count = 1
         self._registry = registry
@@ -712,16 +793,19 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
             return
         del holders[self._key]
         self._count = 0
-        try:
+        try:  # see _acquire_error
             if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 return
             if pgconn.transaction_status != IDLE:
                 raise RuntimeError("the Connection floors cover a Connection outside a transaction")
             released = statements.run(UNLOCK_SQL, (self._key,))
+        except BaseException as error:
+            _invalidate_if_gone(self._connection, error)
+            _raise(_release_error(error), error)
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
         if released != b"t":
-            raise RuntimeError("lost")
+            raise _not_released()
 
 
 # A pooled connection's registry entry (_pooled_registry).
@@ -784,11 +868,11 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
         connection = self._connection
         registry = self._holders.get(id(connection))
         if registry is None:
-            try:
+            try:  # see _acquire_error
                 registry = await _asyncpg_registry(connection, self._holders)
-            except BaseException:
+            except BaseException as error:
                 del self._claim[0]
-                raise
+                _raise(_acquire_error(error, connection.is_closed()), error)
         holders, opener = registry
         if opener != _pid or _DECLARED_POOLERS:  # see _pid and _server_opener
             # (before the holders: never a re-entry in a child, nor behind a pooler)
@@ -798,17 +882,17 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
             holders[self._key] = count + 1
             self._count += 1
             return self
-        try:
+        try:  # see _acquire_error
             if connection.is_closed():
-                raise RuntimeError("closed")
+                raise LockConnectionLost("the connection is closed")
             if connection.is_in_transaction():
                 raise RuntimeError(
                     "floor.asyncpg.contract covers a connection outside a transaction"
                 )
             await connection.fetchval(ASYNCPG_TIMEOUT_LOCK_SQL, self._key, self._timeout_ms)
-        except BaseException:
+        except BaseException as error:
             del self._claim[0]
-            raise
+            _raise(_acquire_error(error, connection.is_closed()), error)
         holders[self._key] = 1
         self._count = 1
         return self
@@ -826,16 +910,18 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
             return
         del holders[self._key]
         self._count = 0
-        try:
+        try:  # see _acquire_error
             if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 return
             if connection.is_closed():
-                raise RuntimeError("lost")
+                raise LockLost("the lock's connection is closed")
             released = await connection.fetchval(ASYNCPG_UNLOCK_SQL, self._key)
+        except BaseException as error:
+            _raise(_release_error(error, connection.is_closed()), error)
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
         if not released:
-            raise RuntimeError("lost")
+            raise _not_released()
 
 
 async def _asyncpg_registry(
@@ -909,17 +995,19 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
                     raise _inherited()
                 _pooler_allows(_declared(self._pool, proxy), opener == -_pid)
             if connection.is_closed():
-                raise RuntimeError("closed")
+                raise LockConnectionLost("the connection is closed")
             if connection.is_in_transaction():
                 raise RuntimeError(
                     "floor.asyncpg_pool.contract covers a connection outside a transaction"
                 )
             await connection.fetchval(ASYNCPG_TIMEOUT_LOCK_SQL, self._key, self._timeout_ms)
-        except BaseException:
+        except BaseException as error:  # see _acquire_error
             del self._claim[0]
-            if proxy is not None:
-                await self._pool.release(proxy)
-            raise
+            if proxy is None:  # the pool's own errors (opening a connection) pass through
+                raise
+            closed = proxy._con is None or proxy._con.is_closed()
+            await self._pool.release(proxy)  # a closed connection is replaced
+            _raise(_acquire_error(error, closed), error)
         holders[self._key] = 1
         _POOL_LENT[ident] = registry
         self._proxy, self._connection = proxy, connection
@@ -939,18 +1027,20 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
         del holders[self._key]
         del _POOL_LENT[ident]
         self._proxy = None
-        try:
+        try:  # see _acquire_error
             if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 connection.terminate()  # (as in __aenter__)
                 return
             if connection.is_closed():
-                raise RuntimeError("lost")
+                raise LockLost("the lock's connection is closed")
             released = await connection.fetchval(ASYNCPG_UNLOCK_SQL, self._key)
+        except BaseException as error:
+            _raise(_release_error(error, connection.is_closed()), error)
         finally:
-            await self._pool.release(proxy)
+            await self._pool.release(proxy)  # a closed connection is replaced
             del self._claim[0]  # see _claim: free once the unlock is sent
         if not released:
-            raise RuntimeError("lost")
+            raise _not_released()
 
 
 class _DjangoContractFloorLock:
@@ -1016,12 +1106,13 @@ class _DjangoContractFloorLock:
                 holders[self._key] = count + 1
                 self._count += 1
                 return self
-            _run(cursor, TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
-        except BaseException:
+            cursor.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
+        except BaseException as error:  # see _acquire_error
             del self._claim[0]
+            _django_error(connections[self._alias], error)
             if _SIGNAL_RECEIVERS:
                 _signal("lock_failed", self._alias, self._key)
-            raise
+            _raise(_acquire_error(error), error)
         holders[self._key] = 1
         self._count = 1
         if _DJANGO_REQUEST.active:
@@ -1040,10 +1131,10 @@ class _DjangoContractFloorLock:
             raise _not_held()
         wrapper = self._wrapper
         raw, holders, cursor, in_request, opener = wrapper.__dict__[_REGISTRY]
-        if wrapper.connection is not raw:
+        if wrapper.connection is not raw:  # Django replaced it: the lock went with it
             self._count = 0
             del self._claim[0]
-            raise RuntimeError("lost")
+            raise LockLost("Django closed the lock's connection")
         held = holders[self._key] - 1
         if held:
             holders[self._key] = held
@@ -1053,14 +1144,19 @@ class _DjangoContractFloorLock:
         self._count = 0
         if in_request:
             in_request.remove(self._key)
-        try:
+        try:  # see _acquire_error
             if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 return
-            _run(cursor, UNLOCK_SQL, (self._key,))  # raises for a lost lock
+            released = cursor.run(UNLOCK_SQL, (self._key,))
+        except BaseException as error:
+            _django_error(wrapper, error)
+            _raise(_release_error(error), error)
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
         if _SIGNAL_RECEIVERS:
             _signal("lock_released", self._alias, self._key)
+        if released != b"t":
+            raise _not_released()
 
 
 # Django's lock signals (DESIGN, Django: lock_acquired, lock_released, lock_failed). A
@@ -1075,6 +1171,14 @@ _SIGNAL_RECEIVERS: list[Callable[[str, str, int], None]] = []
 def _signal(kind: str, alias: str, key: int) -> None:
     for receiver in list(_SIGNAL_RECEIVERS):
         receiver(kind, alias, key)
+
+
+def _django_error(wrapper: Any, error: BaseException) -> None:
+    """A lock statement's error on Django's connection ``wrapper``: Django learns of it
+    as of an error of its own cursor's (``errors_occurred``), so that it closes a
+    connection found gone at the end of the request, as it would without the lock."""
+    if _connection_gone(error):
+        wrapper.errors_occurred = True
 
 
 def _django_registry(wrapper: Any, raw: Any) -> Any:
@@ -1173,11 +1277,12 @@ class _EngineContractFloorLock(_ContractFloorLock):
             if pgconn.transaction_status != IDLE:
                 raise RuntimeError("floor.engine.contract covers a checkout outside a transaction")
             statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
-        except BaseException:
+        except BaseException as error:  # see _acquire_error
             del self._claim[0]
             if fairy is not None:
+                _invalidate_if_gone(fairy, error)
                 fairy.close()
-            raise
+            _raise(_acquire_error(error), error)
         holders[self._key] = 1
         _LENT[statements] = registry
         self._fairy, self._registry = fairy, registry
@@ -1195,17 +1300,21 @@ class _EngineContractFloorLock(_ContractFloorLock):
         del holders[self._key]
         del _LENT[statements]
         self._fairy = None
-        try:
+        try:  # see _acquire_error
             if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 _cut(fairy)
                 fairy.close()
                 return
             released = statements.run(UNLOCK_SQL, (self._key,))
+        except BaseException as error:
+            _invalidate_if_gone(fairy, error)
             fairy.close()
+            _raise(_release_error(error), error)
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
+        fairy.close()
         if released != b"t":
-            raise RuntimeError("lost")
+            raise _not_released()
 
 
 # current_advisory_locks(bind) on an Engine (DESIGN: the names this library holds
@@ -1345,17 +1454,18 @@ class _SessionContractFloorLock(_ContractFloorLock):
             if count:  # another lock object of this Session holds this name: counted
                 holders[self._key] = count + 1
             else:
-                try:
+                try:  # see _acquire_error
                     statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
-                except BaseException:
+                except BaseException as error:
+                    _invalidate_if_gone(connection, error)
                     if not holders:
                         session.bind = engine
                         connection.close()
                     raise
                 holders[self._key] = 1
-        except BaseException:
+        except BaseException as error:
             del self._claim[0]
-            raise
+            _raise(_acquire_error(error), error)
         self._count = 1
         self._held, self._engine, self._registry = connection, engine, registry
         return self
@@ -1375,20 +1485,25 @@ class _SessionContractFloorLock(_ContractFloorLock):
         del holders[self._key]
         self._count = 0
         connection, self._held = self._held, None
-        try:
+        try:  # see _acquire_error
             if opener != _pid and opener != -_pid:  # see _pid: a child's copy
                 _cut(connection.connection)
                 self._connection.bind = self._engine
                 connection.close()
                 return
             released = statements.run(UNLOCK_SQL, (self._key,))
-            if not holders:
-                self._connection.bind = self._engine
-                connection.close()
+        except BaseException as error:
+            _invalidate_if_gone(connection, error)
+            self._connection.bind = self._engine  # its other locks are lost with it
+            connection.close()
+            _raise(_release_error(error), error)
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
+        if not holders:
+            self._connection.bind = self._engine
+            connection.close()
         if released != b"t":
-            raise RuntimeError("lost")
+            raise _not_released()
 
 
 def _own_session_connection(
