@@ -473,6 +473,7 @@ class _ContractFloorLock:
                 raise RuntimeError("the benchmark's connection is in autocommit")
         except BaseException as error:
             del self._claim[0]
+            _close_if_interrupted(connection, error)
             _raise(_acquire_error(error), error)
         holders[self._key] = 1
         self._count = 1
@@ -505,6 +506,7 @@ class _ContractFloorLock:
             else:
                 raise RuntimeError("the benchmark's connection is in autocommit")
         except BaseException as error:
+            _close_if_interrupted(connection, error)
             _raise(_release_error(error), error)
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
@@ -624,6 +626,7 @@ def _raw_registry(lock: Any, connection: Any) -> tuple[dict[int, int], Statement
         server_pid = statements.run(SERVER_PID_SQL, ())
     except BaseException as error:
         del lock._claim[0]
+        _close_if_interrupted(connection, error)
         _raise(_acquire_error(error), error)
     registry: tuple[dict[int, int], Statements, int] = (
         {},
@@ -681,13 +684,36 @@ def _release_error(error: BaseException, closed: bool = False) -> BaseException:
     return error
 
 
-def _invalidate_if_gone(connection: Any, error: BaseException) -> None:
-    """A SQLAlchemy Connection's or checkout's DB-API connection found gone: invalidated,
-    so that the pool discards it, as SQLAlchemy does when one of its own statements
-    finds it gone."""
-    if _connection_gone(error) and not getattr(connection, "invalidated", False):
+def _broken(error: BaseException) -> bool:
+    """Whether a statement's ``error`` leaves its connection unusable for locks: gone, or
+    interrupted mid-statement (KeyboardInterrupt, a task cancelled: DESIGN, "asyncio
+    cancellation ... an abandoned wait is never granted later"). The server may still
+    grant an abandoned wait, or may have run an interrupted unlock; only discarding the
+    connection, which ends its session, makes sure that no one inherits such a lock."""
+    return not isinstance(error, Exception) or _connection_gone(error)
+
+
+def _close_if_interrupted(connection: Any, error: BaseException) -> None:
+    """A raw psycopg connection whose statement was interrupted: closed (see ``_broken``;
+    one found gone is closed by the driver already)."""
+    if not isinstance(error, Exception):
+        connection.close()
+
+
+def _terminate_if_interrupted(connection: Any, error: BaseException) -> None:
+    """An asyncpg connection whose statement was interrupted (a task cancelled): its
+    socket cut at once (see ``_broken``), without waiting for a graceful close."""
+    if not isinstance(error, Exception):
+        connection.terminate()
+
+
+def _invalidate_if_broken(connection: Any, error: BaseException) -> None:
+    """A SQLAlchemy Connection's or checkout's DB-API connection found ``_broken``:
+    invalidated, so that the pool discards it, as SQLAlchemy does when one of its own
+    statements finds it gone."""
+    if _broken(error) and not getattr(connection, "invalidated", False):
         with contextlib.suppress(Exception):  # closed already: nothing left to discard
-            connection.invalidate(error)
+            connection.invalidate(error if isinstance(error, Exception) else None)
 
 
 def _raise(translated: BaseException, error: BaseException) -> NoReturn:
@@ -774,7 +800,7 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
             statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
         except BaseException as error:  # see _acquire_error
             del self._claim[0]
-            _invalidate_if_gone(self._connection, error)
+            _invalidate_if_broken(self._connection, error)
             _raise(_acquire_error(error), error)
         holders[self._key] = 1
         self._count = 1
@@ -800,7 +826,7 @@ class _ConnectionContractFloorLock(_ContractFloorLock):
                 raise RuntimeError("the Connection floors cover a Connection outside a transaction")
             released = statements.run(UNLOCK_SQL, (self._key,))
         except BaseException as error:
-            _invalidate_if_gone(self._connection, error)
+            _invalidate_if_broken(self._connection, error)
             _raise(_release_error(error), error)
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
@@ -872,6 +898,7 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
                 registry = await _asyncpg_registry(connection, self._holders)
             except BaseException as error:
                 del self._claim[0]
+                _terminate_if_interrupted(connection, error)
                 _raise(_acquire_error(error, connection.is_closed()), error)
         holders, opener = registry
         if opener != _pid or _DECLARED_POOLERS:  # see _pid and _server_opener
@@ -892,6 +919,7 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
             await connection.fetchval(ASYNCPG_TIMEOUT_LOCK_SQL, self._key, self._timeout_ms)
         except BaseException as error:
             del self._claim[0]
+            _terminate_if_interrupted(connection, error)
             _raise(_acquire_error(error, connection.is_closed()), error)
         holders[self._key] = 1
         self._count = 1
@@ -917,6 +945,7 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
                 raise LockLost("the lock's connection is closed")
             released = await connection.fetchval(ASYNCPG_UNLOCK_SQL, self._key)
         except BaseException as error:
+            _terminate_if_interrupted(connection, error)
             _raise(_release_error(error, connection.is_closed()), error)
         finally:
             del self._claim[0]  # see _claim: free once the unlock is sent
@@ -1005,6 +1034,8 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
             del self._claim[0]
             if proxy is None:  # the pool's own errors (opening a connection) pass through
                 raise
+            if proxy._con is not None:
+                _terminate_if_interrupted(proxy._con, error)
             closed = proxy._con is None or proxy._con.is_closed()
             await self._pool.release(proxy)  # a closed connection is replaced
             _raise(_acquire_error(error, closed), error)
@@ -1035,6 +1066,7 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
                 raise LockLost("the lock's connection is closed")
             released = await connection.fetchval(ASYNCPG_UNLOCK_SQL, self._key)
         except BaseException as error:
+            _terminate_if_interrupted(connection, error)
             _raise(_release_error(error, connection.is_closed()), error)
         finally:
             await self._pool.release(proxy)  # a closed connection is replaced
@@ -1176,8 +1208,11 @@ def _signal(kind: str, alias: str, key: int) -> None:
 def _django_error(wrapper: Any, error: BaseException) -> None:
     """A lock statement's error on Django's connection ``wrapper``: Django learns of it
     as of an error of its own cursor's (``errors_occurred``), so that it closes a
-    connection found gone at the end of the request, as it would without the lock."""
-    if _connection_gone(error):
+    connection found gone at the end of the request, as it would without the lock; one
+    interrupted mid-statement is closed now (see ``_broken``)."""
+    if not isinstance(error, Exception):
+        wrapper.close()
+    elif _connection_gone(error):
         wrapper.errors_occurred = True
 
 
@@ -1280,7 +1315,7 @@ class _EngineContractFloorLock(_ContractFloorLock):
         except BaseException as error:  # see _acquire_error
             del self._claim[0]
             if fairy is not None:
-                _invalidate_if_gone(fairy, error)
+                _invalidate_if_broken(fairy, error)
                 fairy.close()
             _raise(_acquire_error(error), error)
         holders[self._key] = 1
@@ -1307,7 +1342,7 @@ class _EngineContractFloorLock(_ContractFloorLock):
                 return
             released = statements.run(UNLOCK_SQL, (self._key,))
         except BaseException as error:
-            _invalidate_if_gone(fairy, error)
+            _invalidate_if_broken(fairy, error)
             fairy.close()
             _raise(_release_error(error), error)
         finally:
@@ -1457,7 +1492,7 @@ class _SessionContractFloorLock(_ContractFloorLock):
                 try:  # see _acquire_error
                     statements.run(TIMEOUT_LOCK_SQL, (self._key, self._timeout_ms))
                 except BaseException as error:
-                    _invalidate_if_gone(connection, error)
+                    _invalidate_if_broken(connection, error)
                     if not holders:
                         session.bind = engine
                         connection.close()
@@ -1493,7 +1528,7 @@ class _SessionContractFloorLock(_ContractFloorLock):
                 return
             released = statements.run(UNLOCK_SQL, (self._key,))
         except BaseException as error:
-            _invalidate_if_gone(connection, error)
+            _invalidate_if_broken(connection, error)
             self._connection.bind = self._engine  # its other locks are lost with it
             connection.close()
             _raise(_release_error(error), error)
