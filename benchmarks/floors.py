@@ -20,6 +20,14 @@ where a bind's floor shows what the handoff and throughput targets leave on that
 
 The floors cover the path the benchmark takes (no transaction open); where a transaction
 is open a library would have to join it, which a floor refuses rather than imitates.
+
+Contract floors (``floor.*.contract``, from ``_ContractFloorLock`` on): on each bind, the
+least a lock that keeps every guarantee DESIGN.md requires of a lock there must do on the
+benchmark's path, each rule written by hand the cheapest way a library could (their
+docstrings say which rule each step serves, and what they leave out, and why no lock
+needs it on this path). So a contract floor that misses a target shows that no lock
+keeping the contract can meet it on this machine, and one that meets it shows that one
+can (``benchmarks.targets``).
 """
 
 from __future__ import annotations
@@ -385,47 +393,59 @@ def django_floor(sockets: Callable[[], list[int]]) -> Case:
 
 
 class _ContractFloorLock:
-    """The least a lock that keeps the product contract must do on a raw psycopg
-    connection, written by hand for the one path the benchmark takes.
+    """The contract floor on a raw psycopg connection in autocommit (the twin's bind):
+    the least a lock that keeps every guarantee DESIGN.md requires of a lock on it must
+    do, written by hand for the one path the benchmark takes (a session lock with a
+    timeout, on a connection that holds nothing). A lower bound for any library keeping
+    the contract on this bind, not a competitor.
 
-    On top of the twin's two statements: a lock object for ``with`` (the API returns one),
-    the name checked and its key looked up (hashed once, then cached; a name's key is
-    the same in every process), the timeout checked before any SQL, the holders counted
-    per connection (re-entrancy, in a registry kept on the connection), and the
-    connection read before each statement, since a raw connection has no events: closed
-    or not, and whether a transaction is open, which decides if the statement may run as
-    it is or must run switched to autocommit so that it begins none. At release, the
-    count, the unlock's answer (False means the lock was lost) and the registry.
+    On top of the twin's two statements, by the rule each step serves:
 
-    One holder per lock object: the object counts its own holds (re-entrancy is counted
-    per connection, so the object's count is what says that it holds the lock and when
-    it has let go), and is claimed by the thread that takes it (``_claim``): another
-    thread sharing the object is refused rather than counted in on the first one's
-    holding, and the object is free again once its last hold is released (after the
-    unlock is sent).
+    - The API: a lock object for ``with``, the name checked and its key looked up (hashed
+      once, then cached: a name's key is the same in every process), the timeout checked
+      before any SQL.
+    - Re-entrancy, counted per connection: the holders counted in a registry kept on the
+      connection, made at its first lock.
+    - A raw connection has no events: the connection read before each statement, closed
+      or not, and whether a transaction is open (which decides if the statement may run
+      as it is or must run switched to autocommit so that it begins none). At release,
+      the count, the unlock's answer (False: the lock was lost) and the registry.
+    - One holder per lock object: the object counts its own holds (the connection's count
+      is shared by every holder on it, so the object's own says whether it holds the
+      lock, and when it has let go: releasing an object that holds nothing is a usage
+      error), and is claimed by the thread that takes it (``_claim``): another thread
+      sharing the object is refused rather than counted in on the first one's holding.
+    - Forked children: the registry records the process that made it (``_pid``),
+      compared with this process before the holders are looked up (a child's copy is
+      never a re-entry) and before the unlock: a child is refused a lock on its parent's
+      connection, and a child's release of its parent's holding sends no unlock.
+    - Poolers: the registry is made after the server was asked, at the connection's
+      first lock, which server process the statements run in (``_server_opener``); a
+      pooler or proxy in between stores the opener negated, so that the comparison
+      above sends every lock on that connection to the slow path too. Each lock also
+      tests whether any bind was declared behind a pooler (``declare_pooler``); only
+      then is a declaration looked up (``_allowed``). A session lock is refused behind a
+      declared transaction pooler, and behind an undeclared one.
+    - Errors: each statement in a try block (free on the happy path), whose except
+      clause gives the contract's errors (``_acquire_error``) and closes a connection
+      whose wait was interrupted (``_broken``).
 
-    Forked children: the registry records the process that made it, at the connection's
-    first lock, and a lock compares it with this process (``_pid``) before its lock
-    statement and before its unlock: a forked child's copy of the connection is
-    refused, and a child's release of an object its parent acquired sends no unlock.
+    ``current_advisory_locks(connection)`` reads the registry: nothing more per lock.
 
-    Poolers (a transaction pooler runs a session lock's statements on server sessions
-    that other clients then use): the registry is made only after the server was asked,
-    at the connection's first lock, which server process the statements run in; if it
-    is not the one the driver connected to, a pooler or proxy is in between, and the
-    registry's process id is stored negated, so that the comparison above sends every
-    lock on that connection to the slow path (``_allowed``) too. Each lock also tests
-    whether any bind was declared behind a pooler (``declare_pooler``): only then is
-    the declaration looked up. A session lock is refused behind a declared transaction
-    pooler, and behind an undeclared one.
+    Left out, and why no lock needs it on this path:
 
-    Left out, though the library does them, because a library could choose otherwise:
-    events, error translation. Left out as no part of a
-    lock's cost: the library's look, in a forked child, at a connection's socket when it
-    first meets the connection (one ``fstat`` per connection, against the sockets found
-    open at the fork), which tells that a connection the parent opened but never locked
-    on is the parent's too. So it is a lower bound for any library keeping the contract
-    on this bind, not a competitor.
+    - The look, in a forked child, at the socket of a connection the library meets for
+      the first time (one ``fstat`` against the sockets found open at the fork), which
+      tells that a connection the parent opened but never locked on is the parent's
+      too: once per connection, no part of a lock's cost.
+    - Lock events of the core's (the library's ``advisory_locks.events``): a monitoring
+      feature DESIGN does not ask for (it names Django's signals only, see
+      ``_DjangoContractFloorLock``); they would cost a test of a listener list at the
+      grant and one at the release.
+    - What other paths need: other kinds of names and timeouts, shared and transaction
+      locks, a connection in a transaction (which a lock would join), psycopg's
+      pipeline mode (which the library refuses; DESIGN does not mention it). The floor
+      refuses what it does not cover.
     """
 
     __slots__ = ("_claim", "_connection", "_count", "_key", "_timeout_ms")
@@ -757,14 +777,18 @@ _OPENER = "_benchmarks_contract_floor_opener"
 
 
 class _ConnectionContractFloorLock(_ContractFloorLock):
-    """The contract floor on a SQLAlchemy Connection outside a transaction: the
-    bookkeeping of ``_ContractFloorLock`` (holders counted in the pooled connection's
-    ``info``) around ``ConnectionFloor``'s statements (the driver asked whether a
-    transaction is open, each statement sent through libpq). What the library does
-    on this bind and the floor leaves out is the same list as ``_ContractFloorLock``'s.
-
-    What a lock needs of the connection is one registry entry in its ``info``, made at
-    its first lock (``_pooled_registry``), which the lock keeps for its release."""
+    """The contract floor on a SQLAlchemy Connection outside a transaction: the rules of
+    ``_ContractFloorLock`` around ``ConnectionFloor``'s statements (the driver asked
+    whether a transaction is open, each statement sent through libpq). What a lock needs
+    of the connection is one registry entry in its ``info`` (``_pooled_registry``), made
+    at its first lock, after the server check, and kept by the lock for its release. The
+    process that opened the connection is recorded by a pool ``connect`` listener
+    (``guard_engine``); the pooler declaration is the Connection's
+    ``advisory_locks_pooler`` execution option; a connection found gone or interrupted
+    is invalidated (SQLAlchemy's pool discards it). Left out: as for
+    ``_ContractFloorLock`` (the socket look being, here, for a connection opened before
+    the pool was hooked), and the care single-connection pools need (another path).
+    """
 
     __slots__ = ("_registry",)
 
@@ -877,9 +901,15 @@ class AsyncpgContractFloorLock(_ContractFloorLock):
     An asyncpg connection has no ``__dict__``: the holders are kept by the connection's
     id, in an entry that a finalizer, made at the connection's first lock, removes when
     the connection goes (cheaper per lock than a ``WeakKeyDictionary``, which makes a
-    weak reference at every lookup). Left out as for ``_ContractFloorLock``, and also
-    what asyncpg's pool asks of a library: its release runs ``pg_advisory_unlock_all()``,
-    which the bookkeeping must learn of.
+    weak reference at every lookup); it also records the opener (forks, poolers), as on
+    psycopg. A task cancelled in the wait cuts the connection's socket (``_broken``).
+
+    What asyncpg's pool asks of a library (its release runs ``pg_advisory_unlock_all()``,
+    which the bookkeeping must learn of: the library reads the connection's release
+    count) costs nothing here: a connection from ``asyncpg.connect()`` never goes back
+    to a pool. A pool's connection, passed as the proxy ``pool.acquire()`` returns, is
+    another kind of bind, which this floor does not cover. Left out otherwise as for
+    ``_ContractFloorLock``.
     """
 
     __slots__ = ()
@@ -983,7 +1013,15 @@ class AsyncpgPoolContractFloorLock(AsyncpgContractFloorLock):
     connection the pool's proxy wraps (the proxy, one per acquire, takes no weak
     reference). Only this object's holds count on its connection while it has it, so
     that connection's count is the object's own. A pool's connections have registries
-    of their own (``_registries``), which also record their pool."""
+    of their own (``_registries``), which also record their pool, and a held lock's is
+    filed for ``current_advisory_locks(pool)`` (``_POOL_LENT``) from its grant to its
+    unlock. The pool's reset at the release (``pg_advisory_unlock_all()``) needs no
+    bookkeeping here: the connection is the lock's own from its acquire to after its
+    unlock. Left out: as for ``AsyncpgContractFloorLock``, and giving back the connection
+    of a lock object dropped while held, which asyncpg's pool never takes back itself
+    (the library closes it from a weak reference's callback, one per lock): DESIGN does
+    not say what a dropped lock object must do, and this floor keeps nothing of it alive.
+    """
 
     __slots__ = ("_pool", "_proxy")
 
@@ -1084,11 +1122,20 @@ class _DjangoContractFloorLock:
     between two locks), and notes a lock granted inside a request, whose end must release
     it (``request_finished``; the thread-local flag read here is the library's own). At
     release it finds the holders through the wrapper it locked on, checks that the
-    DB-API connection is still the one, and checks the unlock's answer. Django's lock
-    signals (``_SIGNAL_RECEIVERS``): one test at the grant and one at the unlock. What
-    the library does on this bind and this floor leaves out is ``_ContractFloorLock``'s
-    list, plus settings read for defaults, ``atomic()`` for ``transaction=True`` and the
-    close hook.
+    DB-API connection is still the one, and checks the unlock's answer. The rules of
+    ``_ContractFloorLock`` apply, in Django's terms: the opener and the server check in
+    the registry; the pooler declaration is ``ADVISORY_LOCKS["POOLERS"]``, read only
+    when a flag says it may declare one (``_django_no_poolers``); a connection found
+    gone is marked as Django's own cursor would mark it (``_django_error``). Django's
+    lock signals: one test of their receivers at the grant and one at the unlock
+    (``_SIGNAL_RECEIVERS``).
+
+    Left out, beside ``_ContractFloorLock``'s list: ``atomic()`` for
+    ``transaction=True`` (another path); the hook that unlocks what a connection still
+    holds when Django closes it (it runs at the close, not per lock); settings read for
+    defaults, the key scheme and the prefix, which cost a lock nothing in their cheapest
+    form (the cached keys forgotten when ``setting_changed`` says they changed; the
+    benchmark passes its timeout).
     """
 
     __slots__ = ("_alias", "_claim", "_count", "_key", "_timeout_ms", "_wrapper")
@@ -1265,13 +1312,19 @@ _DJANGO_REQUEST = _RequestFlag()
 
 class _EngineContractFloorLock(_ContractFloorLock):
     """The contract floor on an Engine: ``EngineFloor``'s checkout (checked to be
-    outside a transaction), statements and checkin, with the bookkeeping of
+    outside a transaction), statements and checkin, with the rules of
     ``_ContractFloorLock``: the holders counted in the checked-out connection's
     registry entry (``_pooled_registry``; the lock object keeps its checkout and that
-    entry while held, and a re-entry of the object counts on it), the unlock's answer
-    checked, and the pool guard: a listener on the pool's checkin (``guard_engine``)
-    that checks no lock is still counted on a connection going back (a library unlocks
-    it there)."""
+    entry while held, and a re-entry of the object, by its thread, counts on it), the
+    unlock's answer checked, and the pool guard: a listener on the pool's checkin
+    (``guard_engine``) that unlocks what a connection going back still holds. The
+    opener, recorded by a pool ``connect`` listener, and the Engine's
+    ``advisory_locks_pooler`` execution option are read per lock; in a forked child a
+    checkout of the parent's connection is cut from the pool and another taken
+    (``_own_checkout``); a checkout found gone or interrupted is invalidated. A held
+    lock's registry is filed for ``current_advisory_locks(engine)`` (``_LENT``), not its
+    checkout, so that a lock object dropped while held still lets the pool take its
+    connection back. Left out: as for ``_ContractFloorLock``."""
 
     __slots__ = ("_fairy", "_registry")
 
@@ -1426,9 +1479,20 @@ class _SessionContractFloorLock(_ContractFloorLock):
     """The contract floor on a Session outside a transaction: ``SessionFloor``'s lock
     connection (checked out from the Session's engine and set as ``session.bind`` while
     the Session holds locks, so a second lock of the Session finds it there), with the
-    bookkeeping of ``_EngineContractFloorLock`` on that connection: holders counted in
-    its registry entry, the unlock's answer checked, the pool guard at checkin. The
-    Engine goes back as ``session.bind`` when the Session's last lock is released."""
+    rules of ``_EngineContractFloorLock`` on that connection: holders counted in its
+    registry entry, the unlock's answer checked, the pool guard at checkin, the opener
+    and the lock connection's ``advisory_locks_pooler`` option read per lock (a forked
+    child's Session cuts its parent's lock connection and takes one of its own:
+    ``_own_session_connection``), errors. The Engine goes back as ``session.bind`` when
+    the Session's last lock is released. ``current_advisory_locks(session)`` reads the
+    registry of ``session.bind``: nothing more per lock.
+
+    Left out: as for ``_ContractFloorLock``; and giving the lock connection back when the
+    lock objects using it are dropped while held, which the library does from a weak
+    reference's callback (one per lock connection, so per lock here): this floor keeps
+    that connection as ``session.bind`` until the Session's locks are released or the
+    Session is collected. DESIGN does not say what a dropped lock object must do; no
+    connection goes back to the pool holding a lock either way."""
 
     __slots__ = ("_engine", "_held", "_registry")
 
@@ -1606,10 +1670,10 @@ def django_contract_floor(sockets: Callable[[], list[int]]) -> Case:
     """The contract floor on Django's default connection (configured by the caller)."""
     return _contract_case(
         DJANGO_CONTRACT,
-        "by hand on Django's connection: the contract floor's bookkeeping (as "
-        "floor.psycopg.contract, holders kept on the connection wrapper for its DB-API "
-        "connection, a lock taken in a request noted) around floor.django.timeout's "
-        "statements",
+        "by hand on Django's connection: every rule of floor.psycopg.contract (holders "
+        "kept on the connection wrapper for its DB-API connection, the pooler declared in "
+        "ADVISORY_LOCKS), a lock taken in a request noted, the signals' receivers tested, "
+        "around floor.django.timeout's statements",
         "default",
         sockets,
     )
@@ -1620,9 +1684,10 @@ def engine_contract_floor(url: URL, stack: ExitStack) -> Case:
     tracked = TrackedEngine(url, stack)
     return _contract_case(
         ENGINE_CONTRACT,
-        "by hand on an Engine: the contract floor's bookkeeping (holders counted in the "
-        "checkout's info, the unlock's answer checked, the pool guard at checkin) around "
-        "floor.engine.timeout's checkout, statements and checkin",
+        "by hand on an Engine: every rule of floor.psycopg.contract (holders counted in "
+        "the checkout's info, the opener recorded at connect, the pooler option read), "
+        "the held connection filed for current_advisory_locks, the pool guard at checkin, "
+        "around floor.engine.timeout's checkout, statements and checkin",
         guard_engine(tracked.engine),
         tracked.sockets,
     )
@@ -1635,8 +1700,8 @@ def session_contract_floor(url: URL, stack: ExitStack) -> Case:
     stack.callback(session.close)
     return _contract_case(
         SESSION_CONTRACT,
-        "by hand on a Session: the contract floor's bookkeeping (as floor.engine.contract, "
-        "on the Session's lock connection) around floor.session.timeout's steps",
+        "by hand on a Session: every rule of floor.engine.contract, on the Session's lock "
+        "connection, around floor.session.timeout's steps",
         session,
         tracked.sockets,
     )
@@ -1649,8 +1714,9 @@ def connection_contract_floor(url: URL, stack: ExitStack) -> Case:
     stack.callback(connection.close)
     return _contract_case(
         CONNECTION_CONTRACT,
-        "by hand on a Connection outside a transaction: the contract floor's bookkeeping "
-        "(as floor.psycopg.contract) around floor.connection.timeout's statements",
+        "by hand on a Connection outside a transaction: every rule of "
+        "floor.psycopg.contract (the opener recorded at connect, the pooler option read) "
+        "around floor.connection.timeout's statements",
         connection,
         tracked.sockets,
     )
@@ -1660,10 +1726,11 @@ def psycopg_contract_floor(connection: Any, sockets: Any) -> Case:
     """The contract floor of a raw psycopg connection in autocommit (``_ContractFloorLock``)."""
     return _contract_case(
         PSYCOPG_CONTRACT,
-        "by hand on a raw psycopg connection: the least a lock keeping the contract does "
-        "(a lock object, the name's cached key, holders counted per connection, the "
-        "connection's closed and transaction state read before each statement) around the "
-        "twin's two statements",
+        "by hand on a raw psycopg connection: the least a lock keeping every rule of "
+        "DESIGN.md does (a lock object claimed by its thread, the name's cached key, "
+        "holders counted per connection, the opener and the pooler checked, the "
+        "connection's closed and transaction state read before each statement, driver "
+        "errors translated) around the twin's two statements",
         connection,
         sockets,
     )
