@@ -303,18 +303,22 @@ class DjangoFloor:
     above all, which a library that leaves Django's configuration alone cannot avoid.
     """
 
-    __slots__ = ("_cursor", "_lock_params", "_raw", "_unlock_params")
+    __slots__ = ("_connections", "_cursor", "_lock_params", "_raw", "_unlock_params")
 
     def __init__(self, key: int, timeout_ms: str = TIMEOUT_MS) -> None:
+        from django.db import connections
+
         self._lock_params = (key, timeout_ms)
         self._unlock_params = (key,)
         self._raw: Any = None
         self._cursor: Any = None
+        # Imported once: an import statement run per lock costs importlib's Python code
+        # (_handle_fromlist, for a package), which a library importing at the top of its
+        # module never runs.
+        self._connections = connections
 
     def acquire(self) -> None:
-        from django.db import DEFAULT_DB_ALIAS, connections
-
-        wrapper = connections[DEFAULT_DB_ALIAS]
+        wrapper = self._connections["default"]  # django.db.DEFAULT_DB_ALIAS
         if not wrapper.get_autocommit() or wrapper.in_atomic_block:
             raise RuntimeError("floor.django covers Django's connection in autocommit")
         raw = wrapper.connection
@@ -1160,8 +1164,9 @@ class _DjangoContractFloorLock:
         self._claim: dict[int, object] = {}
 
     def __enter__(self) -> _DjangoContractFloorLock:
-        from django.db import connections
-
+        connections = _connections
+        if connections is None:  # Django's, imported at the first lock (see DjangoFloor)
+            connections = _django_connections()
         me = _thread_id()
         if self._claim.setdefault(0, me) != me:  # see _claim
             raise _claimed()
@@ -1250,6 +1255,17 @@ _SIGNAL_RECEIVERS: list[Callable[[str, str, int], None]] = []
 def _signal(kind: str, alias: str, key: int) -> None:
     for receiver in list(_SIGNAL_RECEIVERS):
         receiver(kind, alias, key)
+
+
+_connections: Any = None
+
+
+def _django_connections() -> Any:
+    global _connections
+    from django.db import connections
+
+    _connections = connections
+    return connections
 
 
 def _django_error(wrapper: Any, error: BaseException) -> None:
