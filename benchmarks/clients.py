@@ -343,13 +343,12 @@ def _contract_bind(kind: str, url: URL, stack: ExitStack) -> Any:
     if kind == floors.DJANGO_CONTRACT:
         setup_django(url)
         return "default"
-    engine = create_engine(url)
+    engine = floors.guard_engine(create_engine(url))
     stack.callback(engine.dispose)
     if kind == floors.CONNECTION_CONTRACT:
         connection = engine.connect()
         stack.callback(connection.close)
         return connection
-    floors.guard_engine(engine)
     if kind == floors.ENGINE_CONTRACT:
         return engine
     session = Session(engine)

@@ -72,10 +72,13 @@ def render(report: Report, arguments: list[str]) -> str:
             "does, so a floor or a lock may cost less than the twin). Its `cpu x twin` is "
             "what the bind itself costs, which no library on that bind can go below; `cpu "
             "x bind floor` of a library case is what the library adds on top. A "
-            "`floor.*.contract` row is that bind's contract floor: the bind floor plus the "
-            "least bookkeeping the lock contract demands (the "
-            "name's key, holders counted per connection, the unlock's answer checked, the "
-            "pool guard), the least a lock keeping the contract does on that bind.",
+            "`floor.*.contract` row is that bind's contract floor: the bind floor plus "
+            "every guarantee the product's design requires of a lock there, each the "
+            "cheapest way a library could (the name's key, holders counted per connection "
+            "and per lock object, the unlock's answer checked, forked children, poolers, "
+            "the errors, Django's signals, the connections an Engine or a pool lends "
+            "filed for `current_advisory_locks`, the pool guard): the least a lock keeping "
+            "the contract does on that bind.",
             "",
             "| case | median µs | p90 µs | cpu µs | cpu x twin | cpu x bind floor "
             "| wall x twin | round trips | twin | bind floor |",

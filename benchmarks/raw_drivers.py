@@ -243,8 +243,8 @@ def asyncpg_cases(url: URL, stack: ExitStack) -> list[Case]:
         Case(
             "floor.asyncpg.contract",
             "floor",
-            "by hand on an asyncpg connection: the contract floor's bookkeeping (as "
-            "floor.psycopg.contract, holders kept by the connection's id) around the twin's "
+            "by hand on an asyncpg connection: every rule of floor.psycopg.contract (holders "
+            "kept by the connection's id, the object claimed by its task) around the twin's "
             "two statements",
             _timed_async(loop, floor_timeout),
             twin="raw.asyncpg.timeout_lock+unlock",
@@ -268,7 +268,8 @@ def asyncpg_cases(url: URL, stack: ExitStack) -> list[Case]:
             "floor.asyncpg_pool.contract",
             "floor",
             "by hand on an asyncpg pool: a connection acquired per lock object, "
-            "floor.asyncpg.contract's bookkeeping on it, released after the unlock",
+            "floor.asyncpg.contract's rules on it, filed for current_advisory_locks while "
+            "held, released after the unlock",
             _timed_async(loop, floor_pooled),
             twin="raw.asyncpg_pool.timeout_lock+unlock",
         ),

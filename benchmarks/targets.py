@@ -1,13 +1,18 @@
 """The performance targets (DESIGN.md, "Performance"), judged on one run.
 
 For each target and bind: the bind floor (the least any library must do there), the
-contract floor (the least a lock keeping the contract does there) and ours, each with
-how many of the run's rounds met the target. The verdict: **met** when ours meets it;
-**open** when the contract floor meets it and ours does not, so a leaner library could;
-**unreachable** when the contract floor misses it too, so no lock keeping the contract
-can meet it on this machine; **missed (no contract floor)** where the benchmarks have no
-contract floor for the bind. A verdict is *undecided* unless every round it rests on
-(ours, and the contract floor's for open and unreachable) fell on the verdict's side.
+contract floor and ours, each with how many of the run's rounds met the target. The
+contract floor (``benchmarks.floors``, ``floor.*.contract``) is a lock, written by hand,
+that keeps every guarantee DESIGN.md requires of a lock on that bind (re-entrancy per
+connection, one holder per lock object, forked children, poolers, the errors, Django's
+signals, ``current_advisory_locks``, the pool guard), each the cheapest way a library
+could on the benchmark's path, and nothing DESIGN.md does not require. The verdict:
+**met** when ours meets it; **open** when the contract floor meets it and ours does not,
+so a lock keeping the contract can (the contract floor is one); **unreachable** when the
+contract floor misses it too, so no lock keeping the contract can meet it on this
+machine; **missed (no contract floor)** where the benchmarks have no contract floor for
+the bind. A verdict is *undecided* unless every round it rests on (ours, and the
+contract floor's for open and unreachable) fell on the verdict's side.
 """
 
 from __future__ import annotations
