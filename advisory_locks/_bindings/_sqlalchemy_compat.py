@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from sqlalchemy.engine import Connection
 from sqlalchemy.pool import StaticPool
@@ -26,6 +26,7 @@ __all__ = [
     "give_back_without_reset",
     "is_newest_checkout",
     "pool_entry",
+    "raise_connect_error",
     "report_disconnect",
     "report_pooled_disconnect",
     "session_has_binds",
@@ -45,6 +46,19 @@ def transaction_connections(transaction: Any) -> list[Any]:
     if isinstance(public, property):
         return list(transaction.connections)
     return [entry[0] for entry in transaction._connections.values()]
+
+
+def raise_connect_error(engine: Engine, error: BaseException) -> NoReturn:
+    """Raise what ``engine.connect()`` raises where ``engine.raw_connection()`` raised
+    the driver's ``error``; called inside the ``except`` block (it reads
+    ``sys.exc_info()``). The engine's ``handle_error`` hooks see it, a disconnect
+    invalidates the pool, and the driver's error comes out wrapped in SQLAlchemy's
+    (``OperationalError`` and the rest), its ``__cause__``: ``Connection.__init__``
+    does this through ``Connection._handle_dbapi_exception_noconnection``. Checked
+    against SQLAlchemy 2.0.0-2.0.44 and 2.1.0-2.1.9.
+    """
+    Connection._handle_dbapi_exception_noconnection(error, engine.dialect, engine)
+    raise error  # pragma: no cover - the call above always raises
 
 
 def adapter_begin_if_needed(adapter: Any, await_: Callable[[Any], Any]) -> None:

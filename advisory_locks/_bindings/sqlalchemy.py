@@ -53,6 +53,7 @@ from advisory_locks._bindings._sqlalchemy_compat import (
     give_back_without_reset,
     is_newest_checkout,
     pool_entry,
+    raise_connect_error,
     report_disconnect,
     report_pooled_disconnect,
     session_has_binds,
@@ -302,9 +303,18 @@ def _check_out(engine: Engine, keys: tuple[LockKey, ...]) -> PoolProxiedConnecti
     if in_use is not None and _opened_here(in_use):
         return check_out_again(in_use)
     try:
-        return _own_connection(engine, engine.raw_connection())
+        return _own_connection(engine, _raw_connection(engine))
     except sqlalchemy_errors.TimeoutError as error:
         raise _no_connection(engine, keys) from error
+
+
+def _raw_connection(engine: Engine) -> PoolProxiedConnection:
+    """``engine.raw_connection()``, failing as ``engine.connect()`` fails: with
+    SQLAlchemy's error, not the driver's (an Engine lock's own checkout calls it inline)."""
+    try:
+        return engine.raw_connection()
+    except engine.dialect.loaded_dbapi.Error as error:
+        raise_connect_error(engine, error)
 
 
 def _opened_here(fairy: PoolProxiedConnection) -> bool:
@@ -984,6 +994,8 @@ class PooledBorrow(_SettledAtOnce):
                 fairy = engine.raw_connection()
             except sqlalchemy_errors.TimeoutError as error:
                 raise _no_connection(engine, keys) from error
+            except engine.dialect.loaded_dbapi.Error as error:
+                raise_connect_error(engine, error)
             info = fairy.info
             connected = info.get(CONNECTED_INFO_KEY)
             if connected is None or connected[0] != _connection_module._process_id:
@@ -1174,7 +1186,7 @@ def _own_connection(engine: Engine, fairy: PoolProxiedConnection) -> PoolProxied
             return fairy
         cut_from_pool(fairy)
         fairy.close()
-        fairy = engine.raw_connection()
+        fairy = _raw_connection(engine)
 
 
 class _EngineLocks:
@@ -1337,6 +1349,8 @@ class SessionPin:
                     fairy = _own_connection(engine, fairy)
             except sqlalchemy_errors.TimeoutError as error:
                 raise _no_connection(engine, keys) from error
+            except engine.dialect.loaded_dbapi.Error as error:  # _raw_connection()'s
+                raise_connect_error(engine, error)
         self.connection = connection_on(engine, fairy)
         if joined is None:
             session.bind = self.connection

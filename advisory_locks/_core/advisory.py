@@ -87,8 +87,8 @@ class Borrowed(Protocol):
     ``is_disconnect(error) -> bool``, asked when the backend does not recognise ``error``
     as a lost connection. A site's ``borrow`` raises ``LockConnectionLost`` (from the
     driver's error) when the connection died under a statement the borrow itself ran;
-    errors of *opening* a connection pass through unchanged (a refused connection and a
-    wrong password look alike there).
+    errors of *opening* a connection are raised as the framework raises them (a refused
+    connection and a wrong password look alike there).
     """
 
     executor: Any

@@ -23,8 +23,10 @@ from typing import Any
 import psycopg
 import pytest
 from sqlalchemy import Engine, event, text
+from sqlalchemy import exc as sqlalchemy_errors
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.orm import Session
 
 from advisory_locks import LockConnectionLost, LockLost, advisory_lock
 from advisory_locks._dialects import backend_for_dialect
@@ -162,6 +164,26 @@ def test_a_restarted_server_fails_one_lock_then_the_pool_recovers(
         with engine.connect() as connection:
             assert connection.execute(text("SELECT 1")).scalar() == 1
     assert seen == [True]
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"], indirect=True)
+@pytest.mark.parametrize("kind", ["engine", "session"])
+def test_a_lock_that_cannot_open_a_connection_raises_what_connect_raises(
+    kind: str, database: FaultDatabase, make_engine: Callable[..., Engine]
+) -> None:
+    # The server down, as an Engine sees it: opening a connection is refused. The
+    # application's engine.connect() raises SQLAlchemy's error, after the handle_error
+    # hooks; a lock that opens a connection of its own must raise that, not the driver's.
+    engine = make_engine(database.url.set(host="127.0.0.1", port=1))
+    seen = disconnects_seen(engine)
+    with pytest.raises(sqlalchemy_errors.OperationalError) as connecting:
+        engine.connect()
+    with pytest.raises(sqlalchemy_errors.OperationalError) as raised:
+        advisory_lock(engine if kind == "engine" else Session(engine), unique_name()).acquire()
+    assert type(raised.value) is type(connecting.value)
+    assert type(raised.value.orig) is type(connecting.value.orig)
+    assert raised.value.__cause__ is raised.value.orig
+    assert len(seen) == 2
 
 
 def test_a_restarted_server_fails_one_lock_then_the_pool_recovers_on_psycopg2(
