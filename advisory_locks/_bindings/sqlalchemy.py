@@ -1260,7 +1260,8 @@ class EngineSite:
 
     def __init__(self, engine: Engine, keys: tuple[LockKey, ...] = ()) -> None:
         self.engine = engine
-        self.locks = locks = _engine_locks(engine)
+        # _engine_locks(engine), without the call once the engine has them.
+        self.locks = locks = _locks_by_engine.get(id(engine)) or _engine_locks(engine)
         self.backend = locks.backend
         self.keys = keys
 

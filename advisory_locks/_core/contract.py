@@ -14,7 +14,7 @@ import abc
 import math
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from advisory_locks.errors import LockLost, LockNotAcquired, LockTimeout, LockUsageError
 from advisory_locks.keys import LockName
@@ -53,6 +53,11 @@ class LockOptions:
 
 _made: dict[tuple[object, ...], LockOptions] = {}
 _MADE_LIMIT = 256
+# The options of a session lock (shared and transaction False), by timeout, for the
+# timeouts of the types below (hashable, and never a bool): advisory_lock() reads them
+# without calling lock_options(). Filled by lock_options().
+session_options: dict[object, LockOptions] = {}
+SESSION_TIMEOUT_TYPES: Final = frozenset({type(None), int, float})
 
 
 def lock_options(
@@ -74,6 +79,8 @@ def lock_options(
     options = LockOptions(timeout, shared, transaction)  # type: ignore[arg-type]
     if len(_made) < _MADE_LIMIT:
         _made[key] = options
+        if shared is False and transaction is False and timeout.__class__ in SESSION_TIMEOUT_TYPES:
+            session_options[timeout] = options
     return options
 
 

@@ -15,7 +15,13 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol, overload
 
-from advisory_locks._core.contract import LockOptions, Timeout, lock_options
+from advisory_locks._core.contract import (
+    SESSION_TIMEOUT_TYPES,
+    LockOptions,
+    Timeout,
+    lock_options,
+    session_options,
+)
 from advisory_locks._core.lease import (
     DEFAULT_TTL,
     AsyncLeaseLock,
@@ -224,7 +230,14 @@ def advisory_lock(
         database cannot provide.
     """
     key = derive_key(name, scheme=key_scheme, prefix=key_prefix)
-    options = lock_options(timeout, shared, transaction)
+    # lock_options(), without the call for a session lock's options made before.
+    options = (
+        session_options.get(timeout)
+        if shared is False and transaction is False and timeout.__class__ in SESSION_TIMEOUT_TYPES
+        else None
+    )
+    if options is None:
+        options = lock_options(timeout, shared, transaction)
     binding = _bindings.get(type(bind))  # binding_for(), without the call once it is known
     if binding is None:
         binding = binding_for(bind)
