@@ -195,15 +195,9 @@ class AdvisoryLock(LockContract):
         # Blocking calls directly, no step driver between the lock and its connection;
         # aacquire() is the same rules, awaited.
         if self._borrowed is None:
-            # An object that holds nothing (the usual case: a new one): claimed for this
-            # thread or task as _reenter() claims it, without the call.
-            loop = _running_loop()
-            task = None if loop is None else asyncio.current_task(loop)
-            owner = _thread_id() if task is None else (_thread_id(), id(task))
-            with _CLAIMS:
-                if self._owner is not None and self._owner != owner:
-                    raise self._claimed_elsewhere()
-                self._owner = owner
+            # An object that holds nothing (the usual case: a new one) only needs
+            # claiming; _reenter() does that and more.
+            self._claim()
             self._count = 0
         elif self._reenter():
             return True
@@ -329,15 +323,8 @@ class AdvisoryLock(LockContract):
     async def aacquire(self) -> bool:
         """``acquire()`` on a site whose connections are awaited (``aborrow``, awaiting
         executors): the same rules, each request awaited directly."""
-        if self._borrowed is None:
-            # As in acquire(): claimed for this task without _reenter().
-            loop = _running_loop()
-            task = None if loop is None else asyncio.current_task(loop)
-            owner = _thread_id() if task is None else (_thread_id(), id(task))
-            with _CLAIMS:
-                if self._owner is not None and self._owner != owner:
-                    raise self._claimed_elsewhere()
-                self._owner = owner
+        if self._borrowed is None:  # as in acquire()
+            self._claim()
             self._count = 0
         elif self._reenter():
             return True
@@ -403,17 +390,7 @@ class AdvisoryLock(LockContract):
             self._count = 0
             self._holding = self._borrowed = None
             self._owner = None
-        # A lock object's own count stands for one holder. Shared by two threads (a
-        # module-level lock used like threading.Lock) or two asyncio tasks, the second
-        # would count itself in without any lock on its own connection: refuse instead.
-        # The owner is the thread, with the asyncio task within it where there is one.
-        loop = _running_loop()
-        task = None if loop is None else asyncio.current_task(loop)
-        owner = _thread_id() if task is None else (_thread_id(), id(task))
-        with _CLAIMS:
-            if self._owner is not None and self._owner != owner:
-                raise self._claimed_elsewhere()
-            self._owner = owner
+        self._claim()
         borrowed = self._borrowed
         if borrowed is None:  # a new object, or one whose holders all released it
             self._count = 0
@@ -429,11 +406,25 @@ class AdvisoryLock(LockContract):
         self._count = 0
         return False
 
-    def _claimed_elsewhere(self) -> LockUsageError:
-        return LockUsageError(
-            f"lock object {self.name!r} is held by another thread or task; make one lock "
-            "object per use (call advisory_lock(...) where the lock is needed)"
-        )
+    def _claim(self) -> None:
+        """Claim the object for this thread or task.
+
+        A lock object's own count stands for one holder. Shared by two threads (a
+        module-level lock used like threading.Lock) or two asyncio tasks, the second
+        would count itself in without any lock on its own connection: refused instead.
+        The owner is the thread, with the asyncio task within it where there is one.
+        """
+        loop = _running_loop()
+        task = None if loop is None else asyncio.current_task(loop)
+        owner = _thread_id() if task is None else (_thread_id(), id(task))
+        with _CLAIMS:
+            if self._owner is not None and self._owner != owner:
+                raise LockUsageError(
+                    f"lock object {self.name!r} is held by another thread or task; make "
+                    "one lock object per use (call advisory_lock(...) where the lock is "
+                    "needed)"
+                )
+            self._owner = owner
 
     def _acquire_steps(self, borrowed: Borrowed) -> StatementSteps[bool]:
         """The backend's whole acquire: where it has no ``lock_statement``, or that raised."""
