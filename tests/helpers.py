@@ -253,3 +253,27 @@ def refuse_lock_statements_on_cursors(monkeypatch: pytest.MonkeyPatch) -> None:
 needs_raw_cursors = pytest.mark.skipif(
     not hasattr(psycopg, "RawCursor"), reason="psycopg < 3.2 has no raw-query cursors"
 )
+
+
+def assert_refused_by_an_exhausted_pool(error: BaseException, name: LockName, pool: Any) -> None:
+    """What a lock on a psycopg_pool pool with no connection free raises, sync or async:
+    the library's LockConnectionTimeout, also the pool's PoolTimeout, naming the lock and
+    sizing the pool (``timeout=0.2``, ``max_size=1``), and the pool left as it was."""
+    from psycopg_pool import PoolTimeout
+
+    from advisory_locks import AdvisoryLockError, LockNotAcquired
+    from advisory_locks.psycopg_pool import LockConnectionTimeout
+
+    assert isinstance(error, LockConnectionTimeout)
+    assert isinstance(error, PoolTimeout)  # psycopg_pool's own class, too
+    assert isinstance(error, AdvisoryLockError)
+    assert not isinstance(error, LockNotAcquired)  # the lock itself was never asked for
+    assert type(error.__cause__) is PoolTimeout
+    assert error.name == name
+    assert f"advisory lock {name!r} needed a connection" in str(error)
+    assert "timeout=0.2 s, max_size=1" in str(error)
+    assert "make max_size at least" in str(error)
+    # Nothing taken from the pool or given back to it.
+    stats = pool.get_stats()
+    assert (stats["pool_size"], stats["pool_available"], stats["connections_num"]) == (1, 1, 1)
+    assert "returns_bad" not in stats

@@ -21,7 +21,7 @@ import psycopg2.extensions
 import pytest
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
-from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
+from psycopg_pool import ConnectionPool, PoolClosed
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 
@@ -47,6 +47,7 @@ from advisory_locks.psycopg_pool import LockConnectionTimeout, LockPoolClosed
 from advisory_locks.sqlalchemy import create_lease_table
 from tests.helpers import (
     EventRecorder,
+    assert_refused_by_an_exhausted_pool,
     backend_alive,
     holder_pids,
     lock_rows,
@@ -668,21 +669,9 @@ def test_an_exhausted_pool_refuses_a_lock_with_lock_connection_timeout(
         # Another checkout holds the pool's only connection.
         with pool.connection(), pytest.raises(LockConnectionTimeout) as raised:
             lock.acquire()
-        error = raised.value
-        assert isinstance(error, PoolTimeout)  # psycopg_pool's own class, too
-        assert isinstance(error, AdvisoryLockError)
-        assert not isinstance(error, LockNotAcquired)  # the lock itself was never asked for
-        assert type(error.__cause__) is PoolTimeout
-        assert error.name == name
-        assert f"advisory lock {name!r} needed a connection" in str(error)
-        assert "timeout=0.2 s, max_size=1" in str(error)
-        assert "make max_size at least" in str(error)
-        # Nothing held, nothing taken from the pool or given back to it.
+        assert_refused_by_an_exhausted_pool(raised.value, name, pool)
         assert not held(lock)
         assert current_advisory_locks(pool) == []
-        stats = pool.get_stats()
-        assert (stats["pool_size"], stats["pool_available"], stats["connections_num"]) == (1, 1, 1)
-        assert "returns_bad" not in stats
         # A pool with room lends the next lock a connection, the refused object included.
         with lock:
             assert not is_free(dsn, name)

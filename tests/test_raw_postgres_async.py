@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
-from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, PoolClosed
 from sqlalchemy.engine import URL
 
 from advisory_locks import (
@@ -41,6 +41,7 @@ from advisory_locks._bindings import _asyncpg_compat, _psycopg_pool_compat
 from advisory_locks.asyncpg import LockPoolClosed as AsyncpgPoolClosed
 from advisory_locks.psycopg_pool import LockConnectionTimeout, LockPoolClosed
 from tests.helpers import (
+    assert_refused_by_an_exhausted_pool,
     backend_alive,
     holder_pids,
     lock_rows,
@@ -817,21 +818,9 @@ async def test_an_exhausted_psycopg_pool_refuses_a_lock_with_lock_connection_tim
         async with pool.connection():  # another checkout holds the pool's only connection
             with pytest.raises(LockConnectionTimeout) as raised:
                 await lock.acquire()
-        error = raised.value
-        assert isinstance(error, PoolTimeout)  # psycopg_pool's own class, too
-        assert isinstance(error, AdvisoryLockError)
-        assert not isinstance(error, LockNotAcquired)  # the lock itself was never asked for
-        assert type(error.__cause__) is PoolTimeout
-        assert error.name == name
-        assert f"advisory lock {name!r} needed a connection" in str(error)
-        assert "timeout=0.2 s, max_size=1" in str(error)
-        assert "make max_size at least" in str(error)
-        # Nothing held, nothing taken from the pool or given back to it.
+        assert_refused_by_an_exhausted_pool(raised.value, name, pool)
         assert not lock.held
         assert current_advisory_locks(pool) == []
-        stats = pool.get_stats()
-        assert (stats["pool_size"], stats["pool_available"], stats["connections_num"]) == (1, 1, 1)
-        assert "returns_bad" not in stats
         # A pool with room lends the next lock a connection, the refused object included.
         async with lock:
             assert not is_free(dsn, name)
