@@ -154,8 +154,14 @@ class LockConnectionTimeout(AdvisoryLockError, sqlalchemy_errors.TimeoutError):
     """A lock needed a connection from the engine's pool and none came free in time.
 
     Raised instead of SQLAlchemy's pool ``TimeoutError`` (which it also is, so handlers
-    for that keep working), with a message that says how to size the pool.
+    for that keep working), with a message that says how to size the pool; ``__cause__``
+    is SQLAlchemy's error. ``name`` is the lock's name (None for a lock set, whose names
+    the message gives).
     """
+
+    def __init__(self, message: str, *, name: LockName | None = None) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 LockConnectionTimeout.__module__ = "advisory_locks.sqlalchemy"
@@ -291,7 +297,8 @@ def _no_connection(engine: Engine, keys: tuple[LockKey, ...]) -> LockConnectionT
         "on it), an Engine lock takes one per lock, besides any connection the thread "
         "holds already. Make pool_size + max_overflow at least the number of threads or "
         "tasks that hold connections at once, or take the lock on a Connection or "
-        "Session that is open already."
+        "Session that is open already.",
+        name=keys[0].name if len(keys) == 1 else None,
     )
 
 

@@ -290,6 +290,7 @@ def test_pool_too_small_for_the_lock_says_so(
                 advisory_lock(bind, name).acquire()
             message = str(raised.value)
             assert name in message
+            assert raised.value.name == name
             assert "pool_size + max_overflow" in message
             assert isinstance(raised.value, sqlalchemy_errors.TimeoutError)
     assert database.holder(name) is None
@@ -302,5 +303,6 @@ def test_transaction_lock_that_cannot_get_the_sessions_connection_says_so(
     name = unique_name()
     with engine.connect() as busy, Session(engine) as session:
         busy.execute(text("SELECT 1"))
-        with pytest.raises(LockConnectionTimeout, match="pool_size \\+ max_overflow"):
+        with pytest.raises(LockConnectionTimeout, match="pool_size \\+ max_overflow") as raised:
             advisory_lock(session, name, transaction=True).acquire()
+        assert raised.value.name == name
