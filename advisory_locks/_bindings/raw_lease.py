@@ -37,7 +37,7 @@ from advisory_locks._core.executors import (
 from advisory_locks._core.listener import AsyncReleaseListener, ReleaseListener
 from advisory_locks._core.steps import Steps, arun_steps
 from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
-from advisory_locks.errors import UnsupportedFeature
+from advisory_locks.errors import LockConnectionLost, UnsupportedFeature
 
 __all__ = [
     "CREATE_HINT",
@@ -331,10 +331,23 @@ class RawLeaseSite:
             restore = None
             if not driver_autocommit(connection):
                 restore = (set_driver_autocommit(connection, True),)
-        except BaseException:
-            self.driver.checkin(self._pool, connection)
+        except BaseException as error:
+            lost = self._connection_lost(error)
+            self.give_back(connection, None, broken=lost is not None)
+            if lost is not None:
+                raise lost from error
             raise
         return _SyncBorrowed(self, connection, restore)
+
+    def _connection_lost(self, error: BaseException) -> LockConnectionLost | None:
+        """The error for a connection found gone while it is made ready for a lease
+        statement (switching to autocommit sends a statement on some drivers), as at the
+        lease's first statement; None for any other error."""
+        if isinstance(error, Exception) and self.backend.is_connection_failure(error):
+            return LockConnectionLost(
+                f"a lease lock's connection to the database was lost ({error})"
+            )
+        return None
 
     def give_back(self, connection: Any, restore: tuple[object] | None, *, broken: bool) -> None:
         if self._pool is None:
@@ -358,9 +371,14 @@ class RawLeaseSite:
             self.driver.raw.refuse(connection)
             if not driver_autocommit(connection):
                 set_driver_autocommit(connection, True)
-        except BaseException:
-            connection.close()
-            raise
+        except BaseException as error:
+            lost = self._connection_lost(error)
+            if lost is None:
+                connection.close()
+                raise
+            with contextlib.suppress(Exception):
+                connection.close()
+            raise lost from error
         return connection
 
     def renewal_connection(self) -> _SyncOwnConnection:

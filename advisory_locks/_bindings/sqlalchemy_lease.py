@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from sqlalchemy import BigInteger, Column, DateTime, MetaData, String, Table
+from sqlalchemy import exc as sqlalchemy_errors
 from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -24,7 +25,13 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
-from advisory_locks._bindings.sqlalchemy import POOLER_OPTION, executor_for, sync_bind
+from advisory_locks._bindings._sqlalchemy_compat import raise_connect_error
+from advisory_locks._bindings.sqlalchemy import (
+    POOLER_OPTION,
+    LockConnectionTimeout,
+    executor_for,
+    sync_bind,
+)
 from advisory_locks._core.executors import (
     DBAPIExecutor,
     driver_autocommit,
@@ -39,7 +46,7 @@ from advisory_locks._core.listener import (
 )
 from advisory_locks._core.steps import Steps, run_steps
 from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
-from advisory_locks.errors import UnsupportedFeature
+from advisory_locks.errors import LockConnectionLost, UnsupportedFeature
 
 __all__ = [
     "CREATE_HINT",
@@ -114,8 +121,20 @@ class LeaseBorrow:
 
     __slots__ = ("_broken", "_restore", "executor", "fairy")
 
-    def __init__(self, engine: Engine) -> None:
-        self.fairy: PoolProxiedConnection = engine.raw_connection()
+    def __init__(self, engine: Engine, backend: LeaseBackend) -> None:
+        try:
+            self.fairy: PoolProxiedConnection = engine.raw_connection()
+        except sqlalchemy_errors.TimeoutError as error:
+            raise LockConnectionTimeout(
+                "a lease lock needed a connection from the engine's pool for one of its "
+                f"statements and none came free within its pool_timeout "
+                f"({engine.pool.status()}). A held lease keeps no connection, but each "
+                "acquire, release and ensure_held() borrows one: make "
+                "pool_size + max_overflow at least the number of threads or tasks that "
+                "use connections at once."
+            ) from error
+        except engine.dialect.loaded_dbapi.Error as error:
+            raise_connect_error(engine, error)  # what engine.connect() raises
         dbapi = self.fairy.dbapi_connection
         self._restore: tuple[object] | None = None
         self._broken: BaseException | None = None
@@ -123,8 +142,18 @@ class LeaseBorrow:
             if not driver_autocommit(dbapi):
                 self._restore = (set_driver_autocommit(dbapi, True),)
             self.executor: Any = executor_for(self.fairy, self.fairy.info)
-        except BaseException:
+        except BaseException as error:
+            gone = isinstance(error, Exception) and backend.is_connection_failure(error)
+            if gone:
+                self.fairy.invalidate(error)
             self.fairy.close()
+            if gone:
+                # Switching to autocommit sends a statement on some drivers (PyMySQL):
+                # a pooled connection the server ended fails there, as at a lease's
+                # first statement, and the pool discards it the same way.
+                raise LockConnectionLost(
+                    f"a lease lock's connection to the database was lost ({error})"
+                ) from error
             raise
 
     def done(self) -> None:
@@ -201,7 +230,7 @@ class SQLAlchemyLeaseSite:
             return self._async_site
 
     def borrow(self, *, transaction: bool) -> LeaseBorrow:
-        return LeaseBorrow(self.engine)
+        return LeaseBorrow(self.engine, self.backend)
 
     def renewal_connection(self) -> _RenewalConnection:
         return _RenewalConnection(self._renewal_fairy())

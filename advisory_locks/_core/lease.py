@@ -40,7 +40,9 @@ from advisory_locks._core.contract import (
 from advisory_locks._core.prune import MAX_AGE_SECONDS
 from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
 from advisory_locks.errors import (
+    AdvisoryLockError,
     LeaseTableMissing,
+    LockConnectionLost,
     LockLost,
     LockNotAcquired,
     LockStolen,
@@ -461,7 +463,7 @@ class _LeaseRules:
     def _attempt_steps(self, lock_wait: Timeout) -> Steps[tuple[Attempt, str, float]]:
         site = self._site
         backend = site.backend
-        borrowed = yield Borrow(False)
+        borrowed = yield from self._borrow_steps()
         executor = borrowed.executor
         try:
             if self._system is None:
@@ -476,12 +478,23 @@ class _LeaseRules:
                 ),
             )
         except BaseException as error:
-            if not isinstance(error, Exception) or backend.is_connection_failure(error):
+            gone = not isinstance(error, Exception) or backend.is_connection_failure(error)
+            if gone:
                 borrowed.broken(error)
             else:
                 borrowed.done()
             yield Settle(borrowed)
-            if isinstance(error, Exception) and backend.is_missing_table(error):
+            if not isinstance(error, Exception):
+                raise
+            if gone:
+                # As an advisory lock's acquire on a dead connection: typed, and the
+                # connection discarded by its pool, so trying again takes a fresh one.
+                raise LockConnectionLost(
+                    f"lease {self.name!r} was not taken: the connection to the database "
+                    f"was lost ({error})",
+                    name=self.name,
+                ) from error
+            if backend.is_missing_table(error):
                 raise LeaseTableMissing(site.create_hint) from error
             raise
         borrowed.done()
@@ -548,10 +561,39 @@ class _LeaseRules:
             raise (yield from self._learn_loss_steps(holding, "fence() refused it"))
 
     def _unhold_steps(self, holding: LeaseHolding) -> Steps[bool]:
-        released: bool = yield from self._borrowed_steps(
-            lambda backend: backend.release(holding.lease_name, holding.holder, holding.token)
-        )
-        return released
+        """Free the holding's row: whether it was still ours. A pooled connection that
+        died while the lease was held (a server's idle-session timeout, a restart, a
+        failover) has the release sent again on a fresh one; a release that cannot reach
+        the database either is ``LockLost``: the row then stays until it expires, ttl
+        after its last renewal."""
+        backend = self._site.backend
+
+        def release(backend: LeaseBackend) -> Any:
+            return backend.release(holding.lease_name, holding.holder, holding.token)
+
+        try:
+            released: bool = yield from self._borrowed_steps(release)
+        except Exception as error:
+            if not backend.is_connection_failure(error):
+                raise
+            logger.debug("releasing lease %r on a fresh connection", self.name, exc_info=True)
+        else:
+            return released
+        try:
+            borrowed = yield from self._borrow_steps()
+        except Exception as error:  # no connection to be had: nothing can be sent
+            failure: Exception = error
+        else:
+            try:
+                released = yield from self._borrowed_steps(release, borrowed)
+            except Exception as error:
+                if not backend.is_connection_failure(error):
+                    raise
+                failure = error
+            else:
+                return released
+        reason = f"it could not be released ({failure}), and the database frees it at its expiry"
+        raise (yield from self._learn_loss_steps(holding, reason, asked=True)) from failure
 
     def _rows_steps(self, holding: LeaseHolding) -> Steps[list[LeaseRow]]:
         rows: list[LeaseRow] = yield from self._borrowed_steps(
@@ -559,9 +601,24 @@ class _LeaseRules:
         )
         return rows
 
-    def _borrowed_steps(self, statements: Any) -> Steps[Any]:
+    def _borrow_steps(self) -> Steps[Any]:
+        """A connection lent for one statement or two. A binding's typed refusal (its
+        pool lent none in time) names this lease: the binding lends connections, not
+        leases."""
+        try:
+            borrowed = yield Borrow(False)
+        except AdvisoryLockError as error:
+            if getattr(error, "name", "") is None:
+                error.name = self.name  # type: ignore[attr-defined]
+            raise
+        return borrowed
+
+    def _borrowed_steps(self, statements: Any, borrowed: Any = None) -> Steps[Any]:
+        """Run ``statements(backend)`` on a borrowed connection (``borrowed``, else one
+        borrowed now)."""
         backend = self._site.backend
-        borrowed = yield Borrow(False)
+        if borrowed is None:
+            borrowed = yield from self._borrow_steps()
         try:
             result = yield from on(borrowed.executor, statements(backend))
         except BaseException as error:

@@ -21,6 +21,7 @@ from django.db import connections, transaction
 from django.test import RequestFactory, override_settings
 from sqlalchemy.engine import URL
 
+from advisory_locks import LockConnectionLost
 from advisory_locks_django import (
     LockNotAcquired,
     LockStolen,
@@ -31,7 +32,7 @@ from advisory_locks_django.checks import check_settings
 from advisory_locks_django.models import Lease
 from tests.django.support import run_in_thread
 from tests.django_aliases import aim_django_alias
-from tests.helpers import unique_name, wait_for
+from tests.helpers import backend_alive, unique_name, wait_for
 
 PROCESS_SECONDS = 60.0
 
@@ -312,6 +313,28 @@ class TestOnPostgreSQL:
             _end_the_listener(admin)
         # Without NOTIFY the waiter would sleep until the expiry it read (capped at 2 s).
         assert acquired_at[0] - released_at < 1.0
+
+    def test_a_lease_on_a_connection_the_server_ended_is_a_typed_error_then_released_anew(
+        self, admin: Any
+    ) -> None:
+        def end_the_threads_connection() -> None:
+            connections["default"].ensure_connection()
+            pid = connections["default"].connection.info.backend_pid
+            admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+            wait_for(lambda: not backend_alive(admin, pid), "the backend has exited")
+
+        name = unique_name("lease")
+        lease = lease_lock(name, ttl=30, timeout=0, key_prefix="")
+        end_the_threads_connection()
+        with pytest.raises(LockConnectionLost) as raised:
+            lease.acquire()
+        assert raised.value.name == name
+        assert not lease.held
+        assert lease.acquire()  # Django opened a new connection
+        end_the_threads_connection()
+        lease.release()  # sent again, on a new connection
+        assert Lease.objects.get(name=name).holder is None
+        assert not lease.lost.is_set()
 
     def test_lease_ttl_setting_is_the_default_and_checked(self) -> None:
         with override_settings(ADVISORY_LOCKS={"LEASE_TTL": 12}):

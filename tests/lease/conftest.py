@@ -17,6 +17,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL, make_url
 
 from advisory_locks.sqlalchemy import create_lease_table
+from tests.helpers import wait_for
 
 # Seconds until expiry by the database's clock, NULL for a free row.
 EXPIRES_IN = {
@@ -29,6 +30,13 @@ RENEWED_AT = {
     "mariadb": "renewed_at",
     "sqlite": "renewed_at",
 }
+# The server's id of the session a query runs in, and how another session ends it.
+SESSION_ID_SQL = {"postgresql": "SELECT pg_backend_pid()", "mariadb": "SELECT CONNECTION_ID()"}
+_SESSION_ALIVE = {
+    "postgresql": "SELECT count(*) FROM pg_stat_activity WHERE pid = :id",
+    "mariadb": "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = :id",
+}
+_END_SESSION = {"postgresql": "SELECT pg_terminate_backend(:id)", "mariadb": "KILL CONNECTION :id"}
 WRITES_DDL = (
     "CREATE TABLE IF NOT EXISTS lease_test_writes "
     "(name VARCHAR(255) NOT NULL, token BIGINT NOT NULL, writer VARCHAR(64) NOT NULL, "
@@ -66,6 +74,19 @@ class LeaseDatabase:
         if found is None:
             return None
         return Row(found[0], int(found[1]), float(found[2]), found[3])
+
+    def end_session(self, session_id: int) -> None:
+        """End the server session ``session_id`` from another one, as an idle-session
+        timeout, a restart or a failover would, and wait until the server has."""
+        with self.admin.connect() as admin:
+            admin.execute(text(_END_SESSION[self.kind]), {"id": session_id})
+
+            def ended() -> bool:
+                return (
+                    admin.execute(text(_SESSION_ALIVE[self.kind]), {"id": session_id}).scalar() == 0
+                )
+
+            wait_for(ended, "the server ended the session")
 
     def writes(self, name: str) -> list[tuple[int, str, int]]:
         with self.admin.connect() as connection:

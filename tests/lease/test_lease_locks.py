@@ -11,17 +11,20 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import exc as sqlalchemy_errors
 
 import advisory_locks
 from advisory_locks import (
     LeaseTableMissing,
+    LockConnectionLost,
     LockLost,
     LockNotAcquired,
     LockStolen,
@@ -31,9 +34,9 @@ from advisory_locks import (
 )
 from advisory_locks._core.lease import MAX_TTL, safety_margin
 from advisory_locks._core.renewer import renewer
-from advisory_locks.sqlalchemy import create_lease_table
+from advisory_locks.sqlalchemy import LockConnectionTimeout, create_lease_table
 from tests.helpers import wait_for
-from tests.lease.conftest import LeaseDatabase, fenced_write
+from tests.lease.conftest import SESSION_ID_SQL, LeaseDatabase, fenced_write
 from tests.lease.workers import hold_until_resumed, increment
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -479,6 +482,120 @@ def test_an_unreachable_database_loses_the_lease_locally_ttl_minus_margin_after_
         with pytest.raises(LockLost):
             lease.release()
         engine.dispose()
+
+
+# -- connections that die or do not come ---------------------------------------------------
+
+
+def end_the_pooled_connection(lease_db: LeaseDatabase, engine: Engine) -> None:
+    """End, from the server's side, the one connection idle in ``engine``'s pool of one
+    (what an idle-session timeout, a restart or a failover does to a pool)."""
+    with engine.connect() as connection:
+        session_id = connection.exec_driver_sql(SESSION_ID_SQL[lease_db.kind]).scalar()
+    lease_db.end_session(session_id)
+
+
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_a_lease_taken_on_a_pooled_connection_the_server_ended_is_a_typed_error_then_taken(
+    lease_db: LeaseDatabase,
+) -> None:
+    engine = create_engine(lease_db.url, pool_size=1, max_overflow=0)
+    try:
+        end_the_pooled_connection(lease_db, engine)
+        lease = lease_lock(engine, unique(), ttl=30)
+        with pytest.raises(LockConnectionLost) as raised:
+            lease.acquire()
+        assert raised.value.name == lease.name
+        assert isinstance(raised.value, ConnectionError)
+        assert raised.value.__cause__ is not None
+        assert not lease.held
+        row = lease_db.row(lease.lease_name)
+        assert row is None or row.holder is None
+        # The pool discarded the dead connection: the next try takes a fresh one.
+        assert lease.acquire()
+        lease.release()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_a_lease_whose_pooled_connection_the_server_ended_while_held_is_released_on_a_fresh_one(
+    lease_db: LeaseDatabase,
+) -> None:
+    engine = create_engine(lease_db.url, pool_size=1, max_overflow=0)
+    try:
+        lease = lease_lock(engine, unique(), ttl=30)
+        assert lease.acquire()
+        end_the_pooled_connection(lease_db, engine)
+        lease.release()  # no error: the release went out on a new connection
+        row = lease_db.row(lease.lease_name)
+        assert row is not None
+        assert row.holder is None
+        assert not lease.lost.is_set()
+        other = lease_lock(engine, lease.name, ttl=30, timeout=0)
+        assert other.acquire()  # at once, not at the expiry
+        other.release()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_a_lease_released_while_the_database_cannot_be_reached_is_lock_lost(
+    lease_db: LeaseDatabase,
+) -> None:
+    from tests.lease.proxy import TcpProxy
+
+    with TcpProxy(lease_db.url.host or "127.0.0.1", lease_db.url.port or 0) as proxy:
+        engine = create_engine(lease_db.url.set(host="127.0.0.1", port=proxy.port))
+        try:
+            lease = lease_lock(engine, unique(), ttl=30)
+            assert lease.acquire()
+            proxy.cut()
+            with pytest.raises(LockLost) as raised:
+                lease.release()
+            assert type(raised.value) is LockLost  # nobody could be asked: not "stolen"
+            assert raised.value.name == lease.name
+            assert raised.value.__cause__ is not None
+            assert lease.lost.is_set()
+            assert not lease.held
+        finally:
+            engine.dispose()
+    # The row stays ours until its expiry: nobody else was let in early.
+    row = lease_db.row(lease.lease_name)
+    assert row is not None
+    assert row.holder is not None
+    assert row.expires_in > 20
+
+
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_a_lease_that_gets_no_connection_raises_what_the_engine_raises(
+    lease_db: LeaseDatabase,
+) -> None:
+    engine = create_engine(lease_db.url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    try:
+        lease = lease_lock(engine, unique(), ttl=30)
+        # The pool's only connection taken:
+        with engine.connect(), pytest.raises(LockConnectionTimeout) as raised:
+            lease.acquire()
+        assert isinstance(raised.value, sqlalchemy_errors.TimeoutError)
+        assert raised.value.name == lease.name
+        assert "pool_size + max_overflow" in str(raised.value)
+        assert lease.acquire()
+        lease.release()
+    finally:
+        engine.dispose()
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    unreachable = create_engine(lease_db.url.set(host="127.0.0.1", port=port))
+    try:
+        with pytest.raises(sqlalchemy_errors.OperationalError) as connect_error:
+            unreachable.connect()
+        with pytest.raises(sqlalchemy_errors.OperationalError) as lease_error:
+            lease_lock(unreachable, unique(), ttl=30).acquire()
+        assert type(lease_error.value.orig) is type(connect_error.value.orig)
+    finally:
+        unreachable.dispose()
 
 
 # -- bad input and a missing table ---------------------------------------------------------

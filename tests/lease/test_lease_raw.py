@@ -15,15 +15,16 @@ import multiprocessing
 import os
 import signal
 import sqlite3
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy.engine import make_url
 
-from advisory_locks import LeaseTableMissing, UnsupportedFeature, lease_lock
+from advisory_locks import LeaseTableMissing, LockConnectionLost, UnsupportedFeature, lease_lock
 from tests.helpers import EventRecorder
-from tests.lease.conftest import LeaseDatabase, fenced_write
+from tests.lease.conftest import SESSION_ID_SQL, LeaseDatabase, fenced_write
 from tests.lease.raw_binds import PAIRS, RawBind
 from tests.lease.test_lease_locks import (
     drop_missing_table_database,
@@ -207,3 +208,59 @@ def test_a_raw_lease_reports_its_grant_refusal_and_release_with_its_token(
         assert (event.scope, event.token, event.system) == ("lease", lease.token, lease_db.kind)
         assert event.binding == raw.kind.partition("-")[0]
     assert refused.reason == "busy"
+
+
+def test_a_lease_on_a_connection_the_server_ended_is_a_typed_error_and_released_on_a_fresh_one(
+    raw: RawBind, lease_db: LeaseDatabase
+) -> None:
+    """A pool's idle connection, or the one ``connect=`` hands over, ended by the server
+    (sqlite3: closed) before a lease statement runs on it."""
+    ending = [True]
+
+    def end(connection: Any) -> None:
+        if raw.kind.startswith("sqlite3"):
+            connection.close()
+            return
+        cursor = connection.cursor()
+        cursor.execute(SESSION_ID_SQL[lease_db.kind])
+        (session_id,) = cursor.fetchone()
+        cursor.close()
+        connection.rollback()  # idle, as a pool keeps it and a new connection is
+        lease_db.end_session(session_id)
+
+    test_thread = threading.current_thread()
+
+    def connect() -> Any:
+        connection = raw.connect()
+        # Not the renewer's: it connects in a thread of its own.
+        if ending[0] and threading.current_thread() is test_thread:
+            ending[0] = False
+            end(connection)
+        return connection
+
+    def end_the_next_connection() -> None:
+        if raw.kind == "psycopg-pool":
+            with raw.bind.connection(timeout=10) as pooled:  # the pool's only connection
+                end(pooled)
+        else:
+            ending[0] = True
+
+    name = unique()
+    # timeout=0: no listener, whose connection would be the first connect() returns.
+    options: dict[str, Any] = {"ttl": 30, "timeout": 0}
+    if raw.kind != "psycopg-pool":
+        options["connect"] = connect
+    lease = lease_lock(raw.bind, name, **options)
+    end_the_next_connection()
+    with pytest.raises(LockConnectionLost) as raised:
+        lease.acquire()
+    assert raised.value.name == name
+    assert raised.value.__cause__ is not None
+    assert not lease.held
+    assert lease.acquire()  # on a fresh connection
+    end_the_next_connection()
+    lease.release()  # the release is sent again, on a fresh connection
+    row = lease_db.row(lease.lease_name)
+    assert row is not None
+    assert row.holder is None
+    assert not lease.lost.is_set()
