@@ -869,6 +869,34 @@ async def test_a_closed_asyncpg_pool_refuses_a_lock_with_lock_pool_closed(dsn: s
     assert is_free(dsn, name)
 
 
+async def test_an_asyncpg_pool_not_awaited_yet_refuses_a_lock_with_lock_pool_closed(
+    dsn: str,
+) -> None:
+    name = unique_name("asyncpg-pool-not-initialized")
+    pool = asyncpg.create_pool(dsn, min_size=1, max_size=1)  # not awaited (a common slip)
+    lock = advisory_lock(pool, name)
+    with pytest.raises(AsyncpgPoolClosed) as raised:
+        await lock.acquire()
+    error = raised.value
+    assert isinstance(error, asyncpg.InterfaceError)  # asyncpg's own class, too
+    assert isinstance(error, LockUsageError)
+    assert type(error.__cause__) is asyncpg.InterfaceError
+    assert error.name == name
+    assert str(error) == (
+        f"advisory lock {name!r} needs a connection from an asyncpg pool that is not "
+        "initialized yet: pool is not initialized. Take locks on a pool once `await "
+        "asyncpg.create_pool(...)` (or `await pool`) has returned."
+    )
+    assert not lock.held
+    await pool  # the same pool, initialized, lends the same lock object a connection
+    try:
+        async with lock:
+            assert not is_free(dsn, name)
+        assert is_free(dsn, name)
+    finally:
+        await pool.close()
+
+
 async def test_a_closing_asyncpg_pool_refuses_a_lock_with_lock_pool_closed(dsn: str) -> None:
     # close() waits for the connections checked out; a lock meanwhile gets none.
     name = unique_name("asyncpg-pool-closing")

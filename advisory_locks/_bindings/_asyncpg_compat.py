@@ -23,6 +23,7 @@ __all__ = [
     "missing_private_apis",
     "new_pool_connection",
     "physical_connection",
+    "pool_initialized",
     "pool_of",
     "pool_of_connection",
     "release_count",
@@ -125,6 +126,15 @@ async def new_pool_connection(pool: Any) -> Any:
     return await pool._get_new_connection()
 
 
+def pool_initialized(pool: Any) -> bool:
+    """Whether ``await pool`` (or ``await create_pool()``) has finished.
+
+    ``Pool._initialized``: set at the end of ``Pool._async__init__``; ``Pool.acquire()``
+    raises ``InterfaceError`` until then.
+    """
+    return bool(getattr(pool, "_initialized", True))
+
+
 def missing_private_apis() -> list[str]:
     """The private names above that this asyncpg does not have (tested empty)."""
     missing = []
@@ -140,4 +150,6 @@ def missing_private_apis() -> list[str]:
         missing.append("Connection._proxy")
     if "_transport" not in getattr(Connection, "__slots__", ()):
         missing.append("Connection._transport")
+    if "_initialized" not in getattr(Pool, "__slots__", ()):
+        missing.append("Pool._initialized")
     return missing

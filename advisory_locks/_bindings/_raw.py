@@ -319,13 +319,15 @@ class RawDriver:
         raise TypeError(f"{type(pool).__name__} is not a pool")
 
     def pool_refusal(
-        self, pool: Any, error: Exception, names: tuple[LockName, ...]
+        self, pool: Any, error: Exception, names: tuple[LockName, ...], *, lease: bool = False
     ) -> Exception | None:
         """The library's error for ``error``, raised by ``checkout`` (``acheckout``) of
-        ``pool`` for the locks ``names``, where it means the pool lent nothing: no
-        connection came free in the pool's time limit, or the pool is closed. It is also
-        the pool's own exception class, so the application's handlers for that keep
-        working. None lets ``error`` through as it is (opening a connection failed, say).
+        ``pool`` for the locks ``names`` (with ``lease``, for one statement of a lease
+        lock, whose name the lease's rules fill in), where it means the pool lent
+        nothing: no connection came free in the pool's time limit, or the pool is
+        closed. It is also the pool's own exception class, so the application's handlers
+        for that keep working. None lets ``error`` through as it is (opening a
+        connection failed, say).
         """
         return None
 

@@ -57,7 +57,8 @@ CLOSE_TIMEOUT_SECONDS: Final = 5.0
 
 
 class LockPoolClosed(LockUsageError, InterfaceError):  # type: ignore[misc]  # asyncpg: untyped
-    """A lock was taken on an asyncpg ``Pool`` that is closed or closing.
+    """A lock was taken on an asyncpg ``Pool`` that is closed or closing, or not
+    initialized yet (made by ``asyncpg.create_pool()`` without an ``await``).
 
     Raised instead of the ``InterfaceError`` asyncpg's ``Pool.acquire()`` raises then,
     which it also is; ``__cause__`` is asyncpg's error. ``name`` is the lock's name (None
@@ -206,18 +207,27 @@ class AsyncpgDriver(AsyncRawDriver):
         return await pool.acquire()
 
     def pool_refusal(
-        self, pool: Any, error: Exception, names: tuple[LockName, ...]
+        self, pool: Any, error: Exception, names: tuple[LockName, ...], *, lease: bool = False
     ) -> Exception | None:
         # asyncpg raises InterfaceError, its class for any misuse of its API, for a pool
-        # that is closed ("pool is closed") or closing; the pool itself (is_closing(),
-        # public since asyncpg 0.28) tells that case from the others, not the message.
-        if isinstance(error, InterfaceError) and pool.is_closing():
-            return LockPoolClosed(
-                f"{locks_named(names)} needs a connection from an asyncpg pool that is "
-                f"closed or closing: {error}. Take locks on a pool before its close().",
-                name=names[0] if len(names) == 1 else None,
-            )
-        return None
+        # that is closed ("pool is closed"), closing, or not initialized yet (made by
+        # create_pool() without an await); the pool itself tells these cases from the
+        # others (is_closing(), public since asyncpg 0.28), not the message.
+        if not isinstance(error, InterfaceError):
+            return None
+        if pool.is_closing():
+            state, advice = "closed or closing", "before its close()"
+        elif not compat.pool_initialized(pool):
+            state = "not initialized yet"
+            advice = "once `await asyncpg.create_pool(...)` (or `await pool`) has returned"
+        else:
+            return None
+        what = "a lease lock" if lease else locks_named(names)
+        return LockPoolClosed(
+            f"{what} needs a connection from an asyncpg pool that is {state}: {error}. "
+            f"Take locks on a pool {advice}.",
+            name=names[0] if len(names) == 1 else None,
+        )
 
     async def acheckin(self, pool: Any, bind: Any) -> None:
         # Returns at once for a terminated connection (already back in the pool).
@@ -267,7 +277,13 @@ class AsyncpgLeaseDriver:
         return compat.pool_of(bind)
 
     async def checkout(self, pool: Any) -> Any:
-        return await pool.acquire()
+        try:
+            return await pool.acquire()
+        except Exception as error:
+            refusal = self._driver.pool_refusal(pool, error, (), lease=True)
+            if refusal is None:
+                raise
+            raise refusal from error
 
     async def checkin(self, pool: Any, connection: Any, *, broken: bool) -> None:
         if broken:

@@ -161,9 +161,9 @@ class PsycopgDriver(RawDriver):
         return pool.getconn()
 
     def pool_refusal(
-        self, pool: Any, error: Exception, names: tuple[LockName, ...]
+        self, pool: Any, error: Exception, names: tuple[LockName, ...], *, lease: bool = False
     ) -> Exception | None:
-        return psycopg_pool_refusal(pool, error, names)
+        return psycopg_pool_refusal(pool, error, names, lease=lease)
 
     def checkin(self, pool: Any, bind: Any) -> None:
         # A closed connection is replaced by the pool.
@@ -182,13 +182,13 @@ class PsycopgDriver(RawDriver):
 
 
 def psycopg_pool_refusal(
-    pool: Any, error: Exception, names: tuple[LockName, ...]
+    pool: Any, error: Exception, names: tuple[LockName, ...], *, lease: bool = False
 ) -> Exception | None:
     """``RawDriver.pool_refusal`` for the psycopg_pool pools (``_bindings.psycopg_pool``,
     which needs psycopg_pool: only its pools are checked out of)."""
     from advisory_locks._bindings.psycopg_pool import pool_refusal
 
-    return pool_refusal(pool, error, names)
+    return pool_refusal(pool, error, names, lease=lease)
 
 
 def _register() -> None:

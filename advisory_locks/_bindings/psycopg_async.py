@@ -126,9 +126,9 @@ class AsyncPsycopgDriver(AsyncRawDriver):
         return await pool.getconn()
 
     def pool_refusal(
-        self, pool: Any, error: Exception, names: tuple[LockName, ...]
+        self, pool: Any, error: Exception, names: tuple[LockName, ...], *, lease: bool = False
     ) -> Exception | None:
-        return psycopg_pool_refusal(pool, error, names)
+        return psycopg_pool_refusal(pool, error, names, lease=lease)
 
     async def acheckin(self, pool: Any, bind: Any) -> None:
         await pool.putconn(bind)
@@ -169,7 +169,13 @@ class AsyncPsycopgLeaseDriver:
         return pool_of(bind)
 
     async def checkout(self, pool: Any) -> Any:
-        connection = await pool.getconn()
+        try:
+            connection = await pool.getconn()
+        except Exception as error:
+            refusal = psycopg_pool_refusal(pool, error, (), lease=True)
+            if refusal is None:
+                raise
+            raise refusal from error
         try:
             if not connection.autocommit:
                 await connection.set_autocommit(True)

@@ -54,24 +54,38 @@ LockConnectionTimeout.__module__ = "advisory_locks.psycopg_pool"
 LockPoolClosed.__module__ = "advisory_locks.psycopg_pool"
 
 
-def pool_refusal(pool: Any, error: Exception, names: tuple[LockName, ...]) -> Exception | None:
-    """The library's error for what ``pool.getconn()`` raised for the locks ``names``
-    (``RawDriver.pool_refusal``); None for any other error."""
+def pool_refusal(
+    pool: Any, error: Exception, names: tuple[LockName, ...], *, lease: bool = False
+) -> Exception | None:
+    """The library's error for what ``pool.getconn()`` raised for the locks ``names``, or
+    for a statement of a lease lock (``RawDriver.pool_refusal``); None for any other
+    error."""
     name = names[0] if len(names) == 1 else None
+    what = "a lease lock" if lease else locks_named(names)
     if isinstance(error, PoolTimeout):
+        if lease:
+            holding = (
+                "A held lease keeps no connection, but each of its acquire, release and "
+                "ensure_held() borrows one for a statement: make max_size at least the "
+                "number of threads or tasks that use connections at once."
+            )
+        else:
+            holding = (
+                "A lock on a pool holds one of its connections for as long as it is held, "
+                "besides the connections the application has checked out: make max_size "
+                "at least the number of threads or tasks that hold connections at once, "
+                "locks included, or take the lock on a connection you have checked out "
+                "already."
+            )
         return LockConnectionTimeout(
-            f"{locks_named(names)} needed a connection from the psycopg_pool pool "
-            f"{pool.name!r} and none came free within its timeout ({_status(pool)}). A "
-            "lock on a pool holds one of its connections for as long as it is held, "
-            "besides the connections the application has checked out: make max_size at "
-            "least the number of threads or tasks that hold connections at once, locks "
-            "included, or take the lock on a connection you have checked out already. A "
-            "pool that cannot reach its server times out the same way; its log says so.",
+            f"{what} needed a connection from the psycopg_pool pool {pool.name!r} and "
+            f"none came free within its timeout ({_status(pool)}). {holding} A pool that "
+            "cannot reach its server times out the same way; its log says so.",
             name=name,
         )
     if isinstance(error, PoolClosed):
         return LockPoolClosed(
-            f"{locks_named(names)} needs a connection from the psycopg_pool pool "
+            f"{what} needs a connection from the psycopg_pool pool "
             f"{pool.name!r}, which lends none: {error}. Take locks on a pool while it is "
             "open, between its open() and close() (or inside `with ConnectionPool(...) as "
             "pool:`, `async with` for an AsyncConnectionPool).",

@@ -249,7 +249,14 @@ class LeaseDriver:
         return self.raw.pool_of(bind)
 
     def checkout(self, pool: Any) -> Any:
-        return self.raw.checkout(pool)
+        try:
+            return self.raw.checkout(pool)
+        except Exception as error:
+            # The pool lent nothing (full, closed): the library's error, as for a lock.
+            refusal = self.raw.pool_refusal(pool, error, (), lease=True)
+            if refusal is None:
+                raise
+            raise refusal from error
 
     def checkin(self, pool: Any, connection: Any) -> None:
         self.raw.checkin(pool, connection)

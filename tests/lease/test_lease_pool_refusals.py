@@ -1,0 +1,121 @@
+"""A lease on a raw driver's pool that lends it no connection: the library's error, as
+for an advisory lock on that pool (tests/test_raw_postgres*.py), worded for a lease,
+naming it, and also the pool's own class. psycopg_pool's pools (sync and async) and
+asyncpg's, on PostgreSQL (the only database these pools speak to).
+"""
+
+from __future__ import annotations
+
+import asyncpg
+import pytest
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTimeout
+
+from advisory_locks import AdvisoryLockError, LockUsageError, lease_lock
+from advisory_locks.asyncpg import LockPoolClosed as AsyncpgPoolClosed
+from advisory_locks.psycopg_pool import LockConnectionTimeout, LockPoolClosed
+from tests.lease.conftest import LeaseDatabase
+from tests.lease.test_lease_locks import unique
+
+pytestmark = pytest.mark.parametrize("lease_db", ["postgresql"], indirect=True)
+
+# How long the exhausted pools below wait for a connection before they give up.
+POOL_TIMEOUT_SECONDS = 0.2
+
+
+def dsn_of(lease_db: LeaseDatabase) -> str:
+    return lease_db.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def assert_refused_for_want_of_a_connection(error: BaseException, name: str) -> None:
+    assert isinstance(error, LockConnectionTimeout)
+    assert isinstance(error, PoolTimeout)  # psycopg_pool's own class, too
+    assert isinstance(error, AdvisoryLockError)
+    assert type(error.__cause__) is PoolTimeout
+    assert error.name == name
+    message = str(error)
+    assert message.startswith("a lease lock needed a connection from the psycopg_pool pool")
+    assert "timeout=0.2 s, max_size=1" in message
+    assert "A held lease keeps no connection" in message
+
+
+def assert_refused_by_a_closed_pool(error: BaseException, name: str) -> None:
+    assert isinstance(error, LockPoolClosed)
+    assert isinstance(error, PoolClosed)
+    assert isinstance(error, LockUsageError)
+    assert type(error.__cause__) is PoolClosed
+    assert error.name == name
+    assert str(error).startswith("a lease lock needs a connection from the psycopg_pool pool")
+
+
+def test_a_lease_on_an_exhausted_or_closed_psycopg_pool_is_refused_with_the_librarys_errors(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    pool = ConnectionPool(
+        dsn_of(lease_db), min_size=1, max_size=1, timeout=POOL_TIMEOUT_SECONDS, open=True
+    )
+    try:
+        lease = lease_lock(pool, name, ttl=30, timeout=0)
+        with pool.connection(), pytest.raises(LockConnectionTimeout) as exhausted:
+            lease.acquire()
+        assert_refused_for_want_of_a_connection(exhausted.value, name)
+        assert not lease.held
+        assert lease_db.row(lease.lease_name) is None
+        with lease:  # a pool with room lends the same object a connection
+            assert lease.held
+    finally:
+        pool.close()
+    with pytest.raises(LockPoolClosed) as closed:
+        lease.acquire()
+    assert_refused_by_a_closed_pool(closed.value, name)
+
+
+async def test_a_lease_on_an_exhausted_or_closed_async_psycopg_pool_is_refused_likewise(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    pool = AsyncConnectionPool(
+        dsn_of(lease_db), min_size=1, max_size=1, timeout=POOL_TIMEOUT_SECONDS, open=False
+    )
+    await pool.open(wait=True)
+    try:
+        lease = lease_lock(pool, name, ttl=30, timeout=0)
+        async with pool.connection():
+            with pytest.raises(LockConnectionTimeout) as exhausted:
+                await lease.acquire()
+        assert_refused_for_want_of_a_connection(exhausted.value, name)
+        assert not lease.held
+        async with lease:
+            assert lease.held
+    finally:
+        await pool.close()
+    with pytest.raises(LockPoolClosed) as closed:
+        await lease.acquire()
+    assert_refused_by_a_closed_pool(closed.value, name)
+
+
+async def test_a_lease_on_an_asyncpg_pool_not_awaited_yet_or_closed_is_lock_pool_closed(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    pool = asyncpg.create_pool(dsn_of(lease_db), min_size=1, max_size=1)  # not awaited
+    lease = lease_lock(pool, name, ttl=30, timeout=0)
+    with pytest.raises(AsyncpgPoolClosed) as not_initialized:
+        await lease.acquire()
+    error = not_initialized.value
+    assert isinstance(error, asyncpg.InterfaceError)  # asyncpg's own class, too
+    assert isinstance(error, LockUsageError)
+    assert type(error.__cause__) is asyncpg.InterfaceError
+    assert error.name == name
+    assert str(error).startswith(
+        "a lease lock needs a connection from an asyncpg pool that is not initialized yet"
+    )
+    await pool
+    try:
+        async with lease:
+            assert lease.held
+    finally:
+        await pool.close()
+    with pytest.raises(AsyncpgPoolClosed, match="closed or closing") as closed:
+        await lease.acquire()
+    assert closed.value.name == name
