@@ -156,6 +156,20 @@ class AsyncBind:
         else:
             raise AssertionError(f"{self.kind} has no pool")
 
+    async def pooled_session_id(self) -> int:
+        """The server process of the connection idle in the bind's pool (of one)."""
+        if self.kind.startswith("sqlalchemy-"):
+            async with self.bind.connect() as connection:
+                pid = await connection.exec_driver_sql("SELECT pg_backend_pid()")
+                return int(pid.scalar())
+        if self.kind == "asyncpg-pool":
+            async with self.bind.acquire(timeout=10) as connection:
+                return int(connection.get_server_pid())
+        if self.kind == "psycopg-pool":
+            async with self.bind.connection(timeout=10) as connection:
+                return int(connection.info.backend_pid)  # read locally: nothing sent
+        raise AssertionError(f"{self.kind} has no pool")
+
     async def close(self) -> None:
         for close in reversed(self._closers):
             result = close()

@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from advisory_locks import (
     AsyncLeaseLock,
     LeaseTableMissing,
+    LockConnectionLost,
     LockStolen,
     UnsupportedFeature,
     lease_lock,
@@ -383,3 +384,33 @@ async def test_a_lease_across_bindings_excludes_a_blocking_holder(
             assert not lease_lock(engine, name, timeout=0).acquire()
     finally:
         engine.dispose()
+
+
+async def test_a_lease_on_a_pooled_connection_the_server_ended_raises_no_driver_error(
+    pool_bind: AsyncBind, lease_db: LeaseDatabase
+) -> None:
+    """A pool's idle connection ended by the server: the acquire on it is
+    ``LockConnectionLost`` and the next acquire takes a fresh connection; the release on
+    one is sent again on a fresh one. (asyncpg's own pool may notice the end first, in
+    the loop, and replace the connection: then the acquire succeeds.)"""
+    name = unique()
+    lease = pool_bind.lease(name, ttl=30, timeout=0)
+    lease_db.end_session(await pool_bind.pooled_session_id())
+    lost: list[LockConnectionLost] = []
+    try:
+        assert await lease.acquire()
+    except LockConnectionLost as error:
+        lost.append(error)
+    if pool_bind.kind != "asyncpg-pool":
+        assert len(lost) == 1
+    for error in lost:
+        assert error.name == name
+        assert error.__cause__ is not None
+        assert not lease.held
+        assert await lease.acquire()  # on a fresh connection
+    lease_db.end_session(await pool_bind.pooled_session_id())
+    await lease.release()
+    row = lease_db.row(lease.lease_name)
+    assert row is not None
+    assert row.holder is None
+    assert not lease.lost.is_set()
