@@ -422,6 +422,10 @@ class DjangoLeaseSite:
             return _OwnConnection(self.alias)
         return _ThreadBorrow(wrapper)
 
+    def borrow_anew(self) -> _OwnConnection:
+        """A connection of its own, opened for the statements and closed after them."""
+        return _OwnConnection(self.alias)
+
     def renewal_connection(self) -> _OwnConnection:
         return _OwnConnection(self.alias)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from advisory_locks._core.listener import AsyncReleaseListener, ReleaseListener
 from advisory_locks._core.steps import Steps, arun_steps
 from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
 from advisory_locks.errors import LockConnectionLost, UnsupportedFeature
+
+logger = logging.getLogger("advisory_locks")
 
 __all__ = [
     "CREATE_HINT",
@@ -84,11 +87,12 @@ class AsyncLeaseDriver(Protocol):
 class _Borrowed:
     """One connection lent for one lease statement (or two)."""
 
-    __slots__ = ("_broken", "_connection", "_site", "executor")
+    __slots__ = ("_broken", "_connection", "_opened", "_site", "executor")
 
-    def __init__(self, site: AsyncRawLeaseSite, connection: Any) -> None:
+    def __init__(self, site: AsyncRawLeaseSite, connection: Any, *, opened: bool = False) -> None:
         self._site = site
         self._connection = connection
+        self._opened = opened  # opened for these statements, never the pool's
         self._broken = False
         self.executor = site.driver.executor(connection)
 
@@ -99,7 +103,7 @@ class _Borrowed:
         self._broken = True
 
     async def asettle(self) -> None:
-        await self._site.give_back(self._connection, broken=self._broken)
+        await self._site.give_back(self._connection, broken=self._broken, opened=self._opened)
 
 
 class _OwnConnection:
@@ -150,8 +154,13 @@ class AsyncRawLeaseSite:
             connection = await self._open()
         return _Borrowed(self, connection)
 
-    async def give_back(self, connection: Any, *, broken: bool) -> None:
-        if self._pool is not None:
+    async def aborrow_anew(self) -> _Borrowed:
+        """A connection opened for the statements, closed after them (see the blocking
+        site's ``borrow_anew``)."""
+        return _Borrowed(self, await self._open(), opened=True)
+
+    async def give_back(self, connection: Any, *, broken: bool, opened: bool = False) -> None:
+        if self._pool is not None and not opened:
             await self.driver.checkin(self._pool, connection, broken=broken)
         else:
             await self.driver.close(connection)
@@ -272,12 +281,20 @@ class LeaseDriver:
 class _SyncBorrowed:
     """One connection lent for one lease statement (or two), in autocommit."""
 
-    __slots__ = ("_broken", "_connection", "_restore", "_site", "executor")
+    __slots__ = ("_broken", "_connection", "_opened", "_restore", "_site", "executor")
 
-    def __init__(self, site: RawLeaseSite, connection: Any, restore: tuple[object] | None) -> None:
+    def __init__(
+        self,
+        site: RawLeaseSite,
+        connection: Any,
+        restore: tuple[object] | None,
+        *,
+        opened: bool = False,
+    ) -> None:
         self._site = site
         self._connection = connection
         self._restore = restore
+        self._opened = opened  # opened for these statements, never the pool's
         self._broken = False
         self.executor = site.driver.executor(connection)
 
@@ -288,7 +305,9 @@ class _SyncBorrowed:
         self._broken = True
 
     def settle(self) -> None:
-        self._site.give_back(self._connection, self._restore, broken=self._broken)
+        self._site.give_back(
+            self._connection, self._restore, broken=self._broken, opened=self._opened
+        )
 
     async def asettle(self) -> None:  # pragma: no cover - a blocking site's borrow
         self.settle()
@@ -356,19 +375,37 @@ class RawLeaseSite:
             )
         return None
 
-    def give_back(self, connection: Any, restore: tuple[object] | None, *, broken: bool) -> None:
-        if self._pool is None:
+    def give_back(
+        self,
+        connection: Any,
+        restore: tuple[object] | None,
+        *,
+        broken: bool,
+        opened: bool = False,
+    ) -> None:
+        if self._pool is None or opened:
             with contextlib.suppress(Exception):
                 connection.close()
             return
         try:
+            if not broken and restore is not None:
+                try:
+                    restore_driver_autocommit(connection, restore[0])
+                except Exception:
+                    # The statements were answered: their result stands. The
+                    # connection, whose mode could not be put back, is replaced.
+                    logger.debug("a lease connection's mode could not be restored", exc_info=True)
+                    broken = True
             if broken:
                 with contextlib.suppress(Exception):
                     connection.close()  # the pool replaces a closed connection
-            elif restore is not None:
-                restore_driver_autocommit(connection, restore[0])
         finally:
             self.driver.checkin(self._pool, connection)
+
+    def borrow_anew(self) -> _SyncBorrowed:
+        """A connection opened for the statements (``connect=``, else one made as the
+        pool makes its own), closed after them: a pool's idle ones may all be dead."""
+        return _SyncBorrowed(self, self._open(), None, opened=True)
 
     def _open(self) -> Any:
         connection = self._connect() if self._connect is not None else None

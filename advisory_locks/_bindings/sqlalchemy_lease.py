@@ -11,6 +11,7 @@ connect events), so it never waits for a connection the application holds.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -25,10 +26,14 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
-from advisory_locks._bindings._sqlalchemy_compat import raise_connect_error
+from advisory_locks._bindings._sqlalchemy_compat import (
+    raise_connect_error,
+    report_pooled_disconnect,
+)
 from advisory_locks._bindings.sqlalchemy import (
     POOLER_OPTION,
     LockConnectionTimeout,
+    _dialect_disconnect,
     executor_for,
     sync_bind,
 )
@@ -47,6 +52,8 @@ from advisory_locks._core.listener import (
 from advisory_locks._core.steps import Steps, run_steps
 from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_backend_for_dialect
 from advisory_locks.errors import LockConnectionLost, UnsupportedFeature
+
+logger = logging.getLogger("advisory_locks")
 
 __all__ = [
     "CREATE_HINT",
@@ -117,9 +124,15 @@ def _engine_of(bind: Any) -> Engine:
 
 
 class LeaseBorrow:
-    """A pooled connection in autocommit mode for one lease statement (or two)."""
+    """A pooled connection in autocommit mode for one lease statement (or two).
 
-    __slots__ = ("_broken", "_restore", "executor", "fairy")
+    A connection found dead is reported as an advisory lock's checkout reports one
+    (``report_pooled_disconnect``): the engine's ``handle_error`` hooks run, and the pool
+    replaces every connection it opened before, which a restart or a failover has ended
+    too, so the next checkout (``SQLAlchemyLeaseSite.borrow_anew``) is a new one.
+    """
+
+    __slots__ = ("_backend", "_broken", "_engine", "_restore", "executor", "fairy")
 
     def __init__(self, engine: Engine, backend: LeaseBackend) -> None:
         try:
@@ -135,6 +148,8 @@ class LeaseBorrow:
             ) from error
         except engine.dialect.loaded_dbapi.Error as error:
             raise_connect_error(engine, error)  # what engine.connect() raises
+        self._engine = engine
+        self._backend = backend
         dbapi = self.fairy.dbapi_connection
         self._restore: tuple[object] | None = None
         self._broken: BaseException | None = None
@@ -143,14 +158,10 @@ class LeaseBorrow:
                 self._restore = (set_driver_autocommit(dbapi, True),)
             self.executor: Any = executor_for(self.fairy, self.fairy.info)
         except BaseException as error:
-            gone = isinstance(error, Exception) and backend.is_connection_failure(error)
-            if gone:
-                self.fairy.invalidate(error)
-            self.fairy.close()
-            if gone:
+            if self._discard(error):
                 # Switching to autocommit sends a statement on some drivers (PyMySQL):
                 # a pooled connection the server ended fails there, as at a lease's
-                # first statement, and the pool discards it the same way.
+                # first statement.
                 raise LockConnectionLost(
                     f"a lease lock's connection to the database was lost ({error})"
                 ) from error
@@ -166,14 +177,37 @@ class LeaseBorrow:
         fairy = self.fairy
         if fairy.dbapi_connection is None:
             return
+        if self._broken is not None:
+            self._discard(self._broken)
+            return
         try:
-            if self._broken is not None:
-                error = self._broken
-                fairy.invalidate(error if isinstance(error, Exception) else None)
-            elif self._restore is not None:
+            if self._restore is not None:
                 restore_driver_autocommit(fairy.dbapi_connection, self._restore[0])
+        except Exception as error:
+            # The statements were answered: their result stands. The connection, whose
+            # mode could not be put back, does not go back to the pool as it is.
+            logger.debug("a lease connection's mode could not be restored", exc_info=True)
+            self._discard(error)
+            return
+        fairy.close()
+
+    def _discard(self, error: BaseException) -> bool:
+        """Give the connection back for good after ``error``; whether it was a disconnect
+        (then reported so, to the engine and its whole pool)."""
+        fairy = self.fairy
+        gone = isinstance(error, Exception) and (
+            self._backend.is_connection_failure(error)
+            or _dialect_disconnect(self._engine.dialect, error, fairy)
+        )
+        try:
+            if gone:
+                assert isinstance(error, Exception)
+                report_pooled_disconnect(self._engine, fairy, error)
+            else:
+                fairy.invalidate(error if isinstance(error, Exception) else None)
         finally:
             fairy.close()
+        return gone
 
     async def asettle(self) -> None:
         self.settle()
@@ -230,6 +264,11 @@ class SQLAlchemyLeaseSite:
             return self._async_site
 
     def borrow(self, *, transaction: bool) -> LeaseBorrow:
+        return LeaseBorrow(self.engine, self.backend)
+
+    def borrow_anew(self) -> LeaseBorrow:
+        # The dead connection's settle had the pool replace every connection it opened
+        # before (LeaseBorrow._discard): its next checkout is a new one.
         return LeaseBorrow(self.engine, self.backend)
 
     def renewal_connection(self) -> _RenewalConnection:

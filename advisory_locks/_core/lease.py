@@ -38,7 +38,7 @@ from advisory_locks._core.contract import (
     validate_timeout,
 )
 from advisory_locks._core.prune import MAX_AGE_SECONDS
-from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
+from advisory_locks._core.steps import Borrow, BorrowAnew, Settle, Steps, on, run_steps
 from advisory_locks.errors import (
     AdvisoryLockError,
     LeaseTableMissing,
@@ -180,7 +180,10 @@ class LeaseSite(Protocol):
 
     ``borrow()`` lends a pooled connection in autocommit mode for one statement or two
     (the Borrowed protocol of the advisory lock, with ``executor.state`` as the
-    connection's scratch space); ``renewal_connection()`` opens the renewer's own.
+    connection's scratch space), raising ``LockConnectionLost`` for one found dead while
+    it is made ready; ``borrow_anew()`` (``aborrow_anew()`` on an asyncio site) lends
+    one opened for the statements, or one the pool has opened since it learnt that its
+    idle connections died; ``renewal_connection()`` opens the renewer's own.
     """
 
     backend: LeaseBackend
@@ -188,6 +191,8 @@ class LeaseSite(Protocol):
     create_hint: str
 
     def borrow(self, *, transaction: bool) -> Any: ...
+
+    def borrow_anew(self) -> Any: ...
 
     def renewal_connection(self) -> RenewalConnection: ...
 
@@ -561,28 +566,42 @@ class _LeaseRules:
             raise (yield from self._learn_loss_steps(holding, "fence() refused it"))
 
     def _unhold_steps(self, holding: LeaseHolding) -> Steps[bool]:
-        """Free the holding's row: whether it was still ours. A pooled connection that
-        died while the lease was held (a server's idle-session timeout, a restart, a
-        failover) has the release sent again on a fresh one; a release that cannot reach
-        the database either is ``LockLost``: the row then stays until it expires, ttl
-        after its last renewal."""
+        """Free the holding's row: whether it was still ours.
+
+        A pooled connection that died while the lease was held (a server's idle-session
+        timeout, a restart, a failover: the pool's other idle connections are then
+        likely dead too) has the release sent again on a connection opened anew. A
+        release that cannot reach the database that way either is ``LockLost``: the row
+        stays until it expires, ttl after its last renewal. A pool that lends no
+        connection at all (full, closed) raises its refusal, and the lease expires.
+        """
         backend = self._site.backend
 
         def release(backend: LeaseBackend) -> Any:
             return backend.release(holding.lease_name, holding.holder, holding.token)
 
         try:
-            released: bool = yield from self._borrowed_steps(release)
-        except Exception as error:
-            if not backend.is_connection_failure(error):
-                raise
-            logger.debug("releasing lease %r on a fresh connection", self.name, exc_info=True)
-        else:
-            return released
-        try:
             borrowed = yield from self._borrow_steps()
-        except Exception as error:  # no connection to be had: nothing can be sent
-            failure: Exception = error
+        except LockConnectionLost:  # lent dead: as a statement failing on it
+            pass
+        else:
+            try:
+                released: bool = yield from self._borrowed_steps(release, borrowed)
+            except Exception as error:
+                if not backend.is_connection_failure(error):
+                    raise
+            else:
+                return released
+        logger.debug("releasing lease %r on a new connection", self.name, exc_info=True)
+        failure: Exception | None = None
+        try:
+            borrowed = yield from self._borrow_steps(anew=True)
+        except LockConnectionLost as error:
+            failure = error
+        except AdvisoryLockError:
+            raise  # a refusal of the library's (a forked child's connection, say)
+        except Exception as error:  # opening a connection failed: the driver's error
+            failure = error
         else:
             try:
                 released = yield from self._borrowed_steps(release, borrowed)
@@ -590,10 +609,21 @@ class _LeaseRules:
                 if not backend.is_connection_failure(error):
                     raise
                 failure = error
-            else:
-                return released
-        reason = f"it could not be released ({failure}), and the database frees it at its expiry"
-        raise (yield from self._learn_loss_steps(holding, reason, asked=True)) from failure
+        if failure is not None:
+            reason = f"it could not be released ({failure}); the database frees it at its expiry"
+            raise (yield from self._learn_loss_steps(holding, reason, asked=True)) from failure
+        if released:
+            return True
+        # The first release may have freed the row and lost only its answer (the
+        # connection died between them): then the row is free with our token still on
+        # it (a later holder's takeover would have raised the token).
+        try:
+            rows = yield from self._rows_steps(holding)
+        except Exception:
+            logger.debug("could not ask who holds lease %r", self.name, exc_info=True)
+            return False
+        row = rows[0] if rows else None
+        return row is None or (row.holder is None and row.token == holding.token)
 
     def _rows_steps(self, holding: LeaseHolding) -> Steps[list[LeaseRow]]:
         rows: list[LeaseRow] = yield from self._borrowed_steps(
@@ -601,12 +631,12 @@ class _LeaseRules:
         )
         return rows
 
-    def _borrow_steps(self) -> Steps[Any]:
-        """A connection lent for one statement or two. A binding's typed refusal (its
-        pool lent none in time) names this lease: the binding lends connections, not
-        leases."""
+    def _borrow_steps(self, *, anew: bool = False) -> Steps[Any]:
+        """A connection lent for one statement or two (``anew``: opened for them, not
+        one a pool kept idle). A binding's typed refusal (its pool lent none in time)
+        names this lease: the binding lends connections, not leases."""
         try:
-            borrowed = yield Borrow(False)
+            borrowed = yield (BorrowAnew() if anew else Borrow(False))
         except AdvisoryLockError as error:
             if getattr(error, "name", "") is None:
                 error.name = self.name  # type: ignore[attr-defined]

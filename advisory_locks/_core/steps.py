@@ -11,7 +11,7 @@ and async, run one implementation of every rule, and neither needs greenlet.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Generator, Sequence
-from typing import Any, Final, Generic, Protocol, TypeAlias, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeAlias, TypeVar, cast
 
 __all__ = [
     "ROWS",
@@ -20,6 +20,7 @@ __all__ = [
     "AsyncExecutor",
     "AsyncSite",
     "Borrow",
+    "BorrowAnew",
     "Executor",
     "On",
     "Settle",
@@ -93,6 +94,13 @@ class Borrow:
         self.transaction = transaction
 
 
+class BorrowAnew:
+    """Ask a lease site for a connection opened anew rather than one its pool kept idle:
+    a statement found a pooled connection dead, and the pool's others may be too."""
+
+    __slots__ = ()
+
+
 class Settle:
     """Give a borrowed connection back as its lock decided (kept, returned or discarded)."""
 
@@ -103,7 +111,7 @@ class Settle:
 
 
 # What steps yield to their driver (On: a backend's statements on an executor).
-Request: TypeAlias = "On[Any] | Borrow | Settle"
+Request: TypeAlias = "On[Any] | Borrow | BorrowAnew | Settle"
 Steps: TypeAlias = Generator[Any, Any, T]
 
 
@@ -183,6 +191,8 @@ def run_steps(steps: Steps[T] | On[T], site: Site | None = None) -> T:
                 result = perform(request.executor, request.steps)
             elif type(request) is Settle:
                 request.borrowed.settle()
+            elif type(request) is BorrowAnew:
+                result = cast(Any, site).borrow_anew()
             else:
                 assert site is not None, "these steps borrow a connection: pass the site"
                 result = site.borrow(transaction=request.transaction)
@@ -228,6 +238,8 @@ async def arun_steps(steps: Steps[T] | On[T], site: AsyncSite | None = None) -> 
                 result = await aperform(request.executor, request.steps)
             elif type(request) is Settle:
                 await request.borrowed.asettle()
+            elif type(request) is BorrowAnew:
+                result = await cast(Any, site).aborrow_anew()
             else:
                 assert site is not None, "these steps borrow a connection: pass the site"
                 result = await site.aborrow(transaction=request.transaction)

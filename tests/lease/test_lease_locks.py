@@ -598,6 +598,157 @@ def test_a_lease_that_gets_no_connection_raises_what_the_engine_raises(
         unreachable.dispose()
 
 
+def end_every_pooled_connection(lease_db: LeaseDatabase, engine: Engine, size: int) -> None:
+    """End every connection of ``engine``'s pool of ``size`` (all idle, all opened), as a
+    server restart or a failover does."""
+    checked_out = [engine.connect() for _ in range(size)]
+    session_ids = [
+        connection.exec_driver_sql(SESSION_ID_SQL[lease_db.kind]).scalar()
+        for connection in checked_out
+    ]
+    for connection in checked_out:
+        connection.close()
+    for session_id in session_ids:
+        lease_db.end_session(session_id)
+
+
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_a_lease_released_after_a_restart_ended_every_pooled_connection_is_released(
+    lease_db: LeaseDatabase,
+) -> None:
+    engine = create_engine(lease_db.url, pool_size=3, max_overflow=0)
+    handled: list[bool] = []
+    event.listen(engine, "handle_error", lambda context: handled.append(context.is_disconnect))
+    try:
+        lease = lease_lock(engine, unique(), ttl=30)
+        assert lease.acquire()
+        end_every_pooled_connection(lease_db, engine, 3)
+        lease.release()  # not on another dead pooled connection: on a new one
+        row = lease_db.row(lease.lease_name)
+        assert row is not None
+        assert row.holder is None
+        assert not lease.lost.is_set()
+        # The engine heard of the disconnect as it would without the library, and its
+        # pool replaced the connections the server had ended: the next lease is taken
+        # at once.
+        assert True in handled
+        assert lease.acquire()
+        lease.release()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_a_lease_released_while_its_pool_lends_nothing_raises_the_pools_refusal_once(
+    lease_db: LeaseDatabase,
+) -> None:
+    engine = create_engine(lease_db.url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    try:
+        lease = lease_lock(engine, unique(), ttl=30)
+        assert lease.acquire()
+        with engine.connect():  # the pool's only connection
+            started = time.monotonic()
+            with pytest.raises(LockConnectionTimeout) as raised:
+                lease.release()
+            waited = time.monotonic() - started
+        assert raised.value.name == lease.name
+        assert waited < 0.2 * 2  # asked the pool once, not again as if a connection died
+        assert not lease.lost.is_set()  # not lost: the row stays ours until it expires
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("lease_db", ["mariadb"], indirect=True)
+def test_a_lease_whose_connection_dies_after_its_answer_keeps_the_answer(
+    lease_db: LeaseDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection dies after a statement was answered, while the library puts the
+    connection's mode back for its pool: the answer stands, and the pool gets no
+    connection in the wrong mode. (On MariaDB, where PyMySQL sends the mode to the
+    server; psycopg changes it without a round trip.)"""
+    from advisory_locks._bindings import sqlalchemy_lease
+
+    engine = create_engine(lease_db.url, pool_size=1, max_overflow=0)
+    restore = sqlalchemy_lease.restore_driver_autocommit
+    ending: list[bool] = []
+
+    def end_then_restore(dbapi: Any, previous: Any) -> None:
+        if ending:
+            ending.clear()
+            cursor = dbapi.cursor()
+            cursor.execute(SESSION_ID_SQL[lease_db.kind])
+            (session_id,) = cursor.fetchone()
+            cursor.close()
+            lease_db.end_session(session_id)
+        restore(dbapi, previous)
+
+    monkeypatch.setattr(sqlalchemy_lease, "restore_driver_autocommit", end_then_restore)
+    try:
+        lease = lease_lock(engine, unique(), ttl=30)
+        ending.append(True)
+        assert lease.acquire()
+        row = lease_db.row(lease.lease_name)
+        assert row is not None
+        assert row.holder is not None
+        assert lease.held
+        ending.append(True)
+        lease.release()
+        row = lease_db.row(lease.lease_name)
+        assert row is not None
+        assert row.holder is None
+        assert not lease.lost.is_set()
+        with engine.connect() as connection:  # in the mode the application gave it
+            assert connection.connection.dbapi_connection is not None
+            assert connection.get_isolation_level() != "AUTOCOMMIT"
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("lease_db", ["mariadb"], indirect=True)
+def test_a_release_whose_answer_was_lost_after_it_freed_the_row_is_a_release(
+    lease_db: LeaseDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MySQL's release is two round trips (the UPDATE, then ROW_COUNT()): the connection
+    dies between them, after the row was freed. Sent again on a new connection the
+    release finds nothing to free; the row, free with our token, says it was ours."""
+    from advisory_locks._core.steps import ROWS, Statement
+    from advisory_locks._dialects.lease.mysql import MySQLLeaseBackend
+
+    original = MySQLLeaseBackend.release
+    ending: list[bool] = []
+
+    def release_then_die(self: Any, name: str, holder: str, token: int) -> Any:
+        session = yield Statement(ROWS, "SELECT CONNECTION_ID()")
+        steps = original(self, name, holder, token)
+        answer: Any = None
+        sent = 0
+        while True:
+            try:
+                statement = steps.send(answer)
+            except StopIteration as stop:
+                return stop.value
+            if sent and ending:  # the UPDATE was answered (and committed): end it now
+                ending.clear()
+                lease_db.end_session(session[0][0])
+            sent += 1
+            answer = yield statement
+
+    monkeypatch.setattr(MySQLLeaseBackend, "release", release_then_die)
+    engine = create_engine(lease_db.url, pool_size=1, max_overflow=0)
+    try:
+        lease = lease_lock(engine, unique(), ttl=30)
+        assert lease.acquire()
+        ending.append(True)
+        lease.release()
+        assert not ending  # the connection did die between the two statements
+        row = lease_db.row(lease.lease_name)
+        assert row is not None
+        assert row.holder is None
+        assert not lease.lost.is_set()
+    finally:
+        engine.dispose()
+
+
 # -- bad input and a missing table ---------------------------------------------------------
 
 

@@ -6,6 +6,8 @@ asyncpg's, on PostgreSQL (the only database these pools speak to).
 
 from __future__ import annotations
 
+import time
+
 import asyncpg
 import pytest
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTimeout
@@ -119,3 +121,45 @@ async def test_a_lease_on_an_asyncpg_pool_not_awaited_yet_or_closed_is_lock_pool
     with pytest.raises(AsyncpgPoolClosed, match="closed or closing") as closed:
         await lease.acquire()
     assert closed.value.name == name
+
+
+def test_a_lease_released_while_its_psycopg_pool_lends_nothing_raises_the_refusal_once(
+    lease_db: LeaseDatabase,
+) -> None:
+    name = unique()
+    with ConnectionPool(
+        dsn_of(lease_db), min_size=1, max_size=1, timeout=POOL_TIMEOUT_SECONDS, open=True
+    ) as pool:
+        lease = lease_lock(pool, name, ttl=30)
+        assert lease.acquire()
+        with pool.connection():  # the pool's only connection
+            started = time.monotonic()
+            with pytest.raises(LockConnectionTimeout) as raised:
+                lease.release()
+            waited = time.monotonic() - started
+        assert_refused_for_want_of_a_connection(raised.value, name)
+        assert waited < POOL_TIMEOUT_SECONDS * 2  # asked once: no connection died
+        assert not lease.lost.is_set()
+
+
+def test_a_lease_released_after_a_restart_ended_every_connection_of_its_psycopg_pool(
+    lease_db: LeaseDatabase,
+) -> None:
+    """psycopg_pool keeps its idle connections until they are used: all dead after a
+    restart. The release, having met one, is sent on a connection opened for it."""
+    name = unique()
+    with ConnectionPool(dsn_of(lease_db), min_size=3, max_size=3, timeout=10, open=True) as pool:
+        pool.wait()
+        lease = lease_lock(pool, name, ttl=30)
+        assert lease.acquire()
+        checked_out = [pool.getconn() for _ in range(3)]
+        session_ids = [connection.info.backend_pid for connection in checked_out]
+        for connection in checked_out:
+            pool.putconn(connection)
+        for session_id in session_ids:
+            lease_db.end_session(session_id)
+        lease.release()
+        row = lease_db.row(lease.lease_name)
+        assert row is not None
+        assert row.holder is None
+        assert not lease.lost.is_set()
