@@ -277,3 +277,21 @@ def assert_refused_by_an_exhausted_pool(error: BaseException, name: LockName, po
     stats = pool.get_stats()
     assert (stats["pool_size"], stats["pool_available"], stats["connections_num"]) == (1, 1, 1)
     assert "returns_bad" not in stats
+
+
+def assert_refused_by_an_asyncpg_pool(error: BaseException, name: LockName, message: str) -> None:
+    """What a lock (advisory or lease) on an asyncpg pool that lends nothing (closed,
+    closing, not initialized) raises: the library's LockPoolClosed, a LockUsageError that
+    is also asyncpg's InterfaceError, from asyncpg's error, naming the lock; its message
+    is ``message``."""
+    import asyncpg
+
+    from advisory_locks import LockUsageError
+    from advisory_locks.asyncpg import LockPoolClosed
+
+    assert isinstance(error, LockPoolClosed)
+    assert isinstance(error, asyncpg.InterfaceError)  # asyncpg's own class, too
+    assert isinstance(error, LockUsageError)
+    assert type(error.__cause__) is asyncpg.InterfaceError
+    assert error.name == name
+    assert str(error) == message

@@ -41,6 +41,7 @@ from advisory_locks._bindings import _asyncpg_compat, _psycopg_pool_compat
 from advisory_locks.asyncpg import LockPoolClosed as AsyncpgPoolClosed
 from advisory_locks.psycopg_pool import LockConnectionTimeout, LockPoolClosed
 from tests.helpers import (
+    assert_refused_by_an_asyncpg_pool,
     assert_refused_by_an_exhausted_pool,
     backend_alive,
     holder_pids,
@@ -855,14 +856,11 @@ async def test_a_closed_asyncpg_pool_refuses_a_lock_with_lock_pool_closed(dsn: s
     lock = advisory_lock(pool, name)
     with pytest.raises(AsyncpgPoolClosed) as raised:
         await lock.acquire()
-    error = raised.value
-    assert isinstance(error, asyncpg.InterfaceError)  # asyncpg's own class, too
-    assert isinstance(error, LockUsageError)
-    assert type(error.__cause__) is asyncpg.InterfaceError
-    assert error.name == name
-    assert str(error) == (
+    assert_refused_by_an_asyncpg_pool(
+        raised.value,
+        name,
         f"advisory lock {name!r} needs a connection from an asyncpg pool that is closed or "
-        "closing: pool is closed. Take locks on a pool before its close()."
+        "closing: pool is closed. Take locks on a pool before its close().",
     )
     assert not lock.held
     assert current_advisory_locks(pool) == []
@@ -877,15 +875,12 @@ async def test_an_asyncpg_pool_not_awaited_yet_refuses_a_lock_with_lock_pool_clo
     lock = advisory_lock(pool, name)
     with pytest.raises(AsyncpgPoolClosed) as raised:
         await lock.acquire()
-    error = raised.value
-    assert isinstance(error, asyncpg.InterfaceError)  # asyncpg's own class, too
-    assert isinstance(error, LockUsageError)
-    assert type(error.__cause__) is asyncpg.InterfaceError
-    assert error.name == name
-    assert str(error) == (
+    assert_refused_by_an_asyncpg_pool(
+        raised.value,
+        name,
         f"advisory lock {name!r} needs a connection from an asyncpg pool that is not "
         "initialized yet: pool is not initialized. Take locks on a pool once `await "
-        "asyncpg.create_pool(...)` (or `await pool`) has returned."
+        "asyncpg.create_pool(...)` (or `await pool`) has returned.",
     )
     assert not lock.held
     await pool  # the same pool, initialized, lends the same lock object a connection

@@ -15,6 +15,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTi
 from advisory_locks import AdvisoryLockError, LockUsageError, lease_lock
 from advisory_locks.asyncpg import LockPoolClosed as AsyncpgPoolClosed
 from advisory_locks.psycopg_pool import LockConnectionTimeout, LockPoolClosed
+from tests.helpers import assert_refused_by_an_asyncpg_pool
 from tests.lease.conftest import LeaseDatabase
 from tests.lease.test_lease_locks import unique
 
@@ -104,13 +105,12 @@ async def test_a_lease_on_an_asyncpg_pool_not_awaited_yet_or_closed_is_lock_pool
     lease = lease_lock(pool, name, ttl=30, timeout=0)
     with pytest.raises(AsyncpgPoolClosed) as not_initialized:
         await lease.acquire()
-    error = not_initialized.value
-    assert isinstance(error, asyncpg.InterfaceError)  # asyncpg's own class, too
-    assert isinstance(error, LockUsageError)
-    assert type(error.__cause__) is asyncpg.InterfaceError
-    assert error.name == name
-    assert str(error).startswith(
-        "a lease lock needs a connection from an asyncpg pool that is not initialized yet"
+    assert_refused_by_an_asyncpg_pool(
+        not_initialized.value,
+        name,
+        "a lease lock needs a connection from an asyncpg pool that is not initialized yet: "
+        "pool is not initialized. Take locks on a pool once `await "
+        "asyncpg.create_pool(...)` (or `await pool`) has returned.",
     )
     await pool
     try:
@@ -118,9 +118,14 @@ async def test_a_lease_on_an_asyncpg_pool_not_awaited_yet_or_closed_is_lock_pool
             assert lease.held
     finally:
         await pool.close()
-    with pytest.raises(AsyncpgPoolClosed, match="closed or closing") as closed:
+    with pytest.raises(AsyncpgPoolClosed) as closed:
         await lease.acquire()
-    assert closed.value.name == name
+    assert_refused_by_an_asyncpg_pool(
+        closed.value,
+        name,
+        "a lease lock needs a connection from an asyncpg pool that is closed or closing: "
+        "pool is closed. Take locks on a pool before its close().",
+    )
 
 
 def test_a_lease_released_while_its_psycopg_pool_lends_nothing_raises_the_refusal_once(
