@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.utils import load_backend
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -126,7 +127,16 @@ def connection_usable(wrapper: BaseDatabaseWrapper) -> bool:
     return bool(wrapper.is_usable())
 
 
-def new_wrapper(alias: str) -> BaseDatabaseWrapper:
+def new_wrapper(alias: str, *, pooled: bool = True) -> BaseDatabaseWrapper:
     """A connection wrapper for ``alias`` that is no thread's (``create_connection``, the
-    factory ``connections[alias]`` uses); the caller closes it."""
-    return connections.create_connection(alias)
+    factory ``connections[alias]`` uses); the caller closes it. ``pooled=False``: one
+    that opens a connection of its own even where the alias has Django's connection
+    pool (``OPTIONS["pool"]``, Django 5.1+ on PostgreSQL), made as that factory makes
+    one, from the alias's settings without the pool."""
+    settings = connections.settings[alias]
+    options = settings.get("OPTIONS") or {}
+    if pooled or not options.get("pool"):
+        return connections.create_connection(alias)
+    unpooled = {**settings, "OPTIONS": {k: v for k, v in options.items() if k != "pool"}}
+    wrapper: BaseDatabaseWrapper = load_backend(settings["ENGINE"]).DatabaseWrapper(unpooled, alias)
+    return wrapper

@@ -347,8 +347,8 @@ class _OwnConnection:
 
     __slots__ = ("driver", "executor", "wrapper")
 
-    def __init__(self, alias: str) -> None:
-        wrapper = new_wrapper(alias)
+    def __init__(self, alias: str, *, pooled: bool = True) -> None:
+        wrapper = new_wrapper(alias, pooled=pooled)
         wrapper.inc_thread_sharing()
         try:
             wrapper.ensure_connection()
@@ -423,8 +423,9 @@ class DjangoLeaseSite:
         return _ThreadBorrow(wrapper)
 
     def borrow_anew(self) -> _OwnConnection:
-        """A connection of its own, opened for the statements and closed after them."""
-        return _OwnConnection(self.alias)
+        """A connection of its own, opened for the statements and closed after them
+        (never one of Django's pool, whose idle ones may all be dead)."""
+        return _OwnConnection(self.alias, pooled=False)
 
     def renewal_connection(self) -> _OwnConnection:
         return _OwnConnection(self.alias)

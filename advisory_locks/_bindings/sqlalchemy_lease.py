@@ -183,11 +183,14 @@ class LeaseBorrow:
         try:
             if self._restore is not None:
                 restore_driver_autocommit(fairy.dbapi_connection, self._restore[0])
-        except Exception as error:
-            # The statements were answered: their result stands. The connection, whose
-            # mode could not be put back, does not go back to the pool as it is.
-            logger.debug("a lease connection's mode could not be restored", exc_info=True)
+        except BaseException as error:
+            # The connection, whose mode could not be put back, does not go back to the
+            # pool as it is. The statements were answered: their result stands (an
+            # interruption, though, goes on up).
             self._discard(error)
+            if not isinstance(error, Exception):
+                raise
+            logger.debug("a lease connection's mode could not be restored", exc_info=True)
             return
         fairy.close()
 

@@ -570,10 +570,11 @@ class _LeaseRules:
 
         A pooled connection that died while the lease was held (a server's idle-session
         timeout, a restart, a failover: the pool's other idle connections are then
-        likely dead too) has the release sent again on a connection opened anew. A
-        release that cannot reach the database that way either is ``LockLost``: the row
-        stays until it expires, ttl after its last renewal. A pool that lends no
-        connection at all (full, closed) raises its refusal, and the lease expires.
+        likely dead too), or one that could not be opened, has the release sent again on
+        a connection opened anew. A release that cannot reach the database that way
+        either is ``LockLost``: the row stays until it expires, ttl after its last
+        renewal. A pool that refuses a connection (full, closed: the library's typed
+        refusal) raises that, and the lease expires the same way.
         """
         backend = self._site.backend
 
@@ -582,25 +583,29 @@ class _LeaseRules:
 
         try:
             borrowed = yield from self._borrow_steps()
-        except LockConnectionLost:  # lent dead: as a statement failing on it
-            pass
+        except LockConnectionLost as error:  # lent dead
+            failure: Exception = error
+        except AdvisoryLockError:
+            raise  # the pool's refusal, or a forked child's connection
+        except Exception as error:  # opening a connection failed: the driver's error
+            failure = error
         else:
             try:
                 released: bool = yield from self._borrowed_steps(release, borrowed)
             except Exception as error:
                 if not backend.is_connection_failure(error):
                     raise
+                failure = error
             else:
                 return released
-        logger.debug("releasing lease %r on a new connection", self.name, exc_info=True)
-        failure: Exception | None = None
+        logger.debug("releasing lease %r on a new connection", self.name, exc_info=failure)
         try:
             borrowed = yield from self._borrow_steps(anew=True)
         except LockConnectionLost as error:
             failure = error
         except AdvisoryLockError:
-            raise  # a refusal of the library's (a forked child's connection, say)
-        except Exception as error:  # opening a connection failed: the driver's error
+            raise
+        except Exception as error:
             failure = error
         else:
             try:
@@ -609,21 +614,26 @@ class _LeaseRules:
                 if not backend.is_connection_failure(error):
                     raise
                 failure = error
-        if failure is not None:
-            reason = f"it could not be released ({failure}); the database frees it at its expiry"
-            raise (yield from self._learn_loss_steps(holding, reason, asked=True)) from failure
-        if released:
-            return True
-        # The first release may have freed the row and lost only its answer (the
-        # connection died between them): then the row is free with our token still on
-        # it (a later holder's takeover would have raised the token).
+            else:
+                return released or (yield from self._released_unanswered_steps(holding))
+        reason = f"it could not be released ({failure}); the database frees it at its expiry"
+        raise (yield from self._learn_loss_steps(holding, reason, asked=True)) from failure
+
+    def _released_unanswered_steps(self, holding: LeaseHolding) -> Steps[bool]:
+        """After a release sent again found nothing to free: whether the first one had
+        freed the row and lost only its answer (its connection died in between). The row
+        then is free with our token still on it, or, if a waiter took it since, held at
+        a higher token while our holding had not yet expired (nobody takes an unexpired
+        lease: it was freed)."""
         try:
             rows = yield from self._rows_steps(holding)
         except Exception:
             logger.debug("could not ask who holds lease %r", self.name, exc_info=True)
             return False
         row = rows[0] if rows else None
-        return row is None or (row.holder is None and row.token == holding.token)
+        if row is None or (row.holder is None and row.token == holding.token):
+            return True
+        return row.token > holding.token and not holding.overdue()
 
     def _rows_steps(self, holding: LeaseHolding) -> Steps[list[LeaseRow]]:
         rows: list[LeaseRow] = yield from self._borrowed_steps(

@@ -18,10 +18,10 @@ import pytest
 from django.db import connections
 from psycopg.rows import TupleRow
 
-from advisory_locks_django import LockLost, advisory_lock, current_advisory_locks
+from advisory_locks_django import LockLost, advisory_lock, current_advisory_locks, lease_lock
 from tests.django.real_requests import wsgi_worker
 from tests.django.support import holders, in_thread, run_in_thread, server_pid
-from tests.helpers import unique_name
+from tests.helpers import backend_alive, unique_name, wait_for
 
 pytestmark = [
     # tox runs Django 4.2 too; CI runs 5.2, so this never skips there.
@@ -106,3 +106,39 @@ def test_a_thread_of_another_request_cannot_take_what_a_request_holds(admin: Adm
     done.set()
     holder.get()
     assert holders(admin, name) == []
+
+
+def test_a_lease_statement_sent_anew_takes_no_connection_of_the_pool() -> None:
+    """A lease's release that met a dead connection is sent again on one opened for it:
+    after a restart every idle connection of the pool is dead, so not one of those."""
+    from advisory_locks_django.leases import DjangoLeaseSite
+
+    borrowed = DjangoLeaseSite(POOLED).borrow_anew()
+    try:
+        assert getattr(borrowed.driver, "_pool", None) is None
+        # The pool's one connection is still there to lend, to another thread, at once.
+        assert in_thread(lambda: server_pid(POOLED)) != borrowed.driver.info.backend_pid
+    finally:
+        borrowed.settle()
+
+
+def test_a_lease_whose_pooled_connection_the_server_ended_is_released_at_once(
+    admin: Admin,
+) -> None:
+    name = unique_name("pool-lease")
+
+    def hold_then_release() -> bool:
+        lease = lease_lock(name, using=POOLED, ttl=30, timeout=0, key_prefix="")
+        assert lease.acquire()
+        pid = server_pid(POOLED)
+        connections[POOLED].close()  # back to the pool, idle
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+        wait_for(lambda: not backend_alive(admin, pid), "the backend has exited")
+        lease.release()  # on the dead connection, then anew
+        return lease.lost.is_set()
+
+    assert in_thread(hold_then_release) is False
+    holder = admin.execute(
+        "SELECT holder FROM advisory_locks_lease WHERE name = %s", [name]
+    ).fetchone()
+    assert holder == (None,)

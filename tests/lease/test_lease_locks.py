@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy import exc as sqlalchemy_errors
+from sqlalchemy.pool import NullPool, Pool, QueuePool
 
 import advisory_locks
 from advisory_locks import (
@@ -540,13 +541,18 @@ def test_a_lease_whose_pooled_connection_the_server_ended_while_held_is_released
 
 
 @pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+@pytest.mark.parametrize("poolclass", [QueuePool, NullPool])
 def test_a_lease_released_while_the_database_cannot_be_reached_is_lock_lost(
-    lease_db: LeaseDatabase,
+    lease_db: LeaseDatabase, poolclass: type[Pool]
 ) -> None:
+    # QueuePool: the release meets its pooled connection dead, then cannot open one.
+    # NullPool: it cannot open one at all.
     from tests.lease.proxy import TcpProxy
 
     with TcpProxy(lease_db.url.host or "127.0.0.1", lease_db.url.port or 0) as proxy:
-        engine = create_engine(lease_db.url.set(host="127.0.0.1", port=proxy.port))
+        engine = create_engine(
+            lease_db.url.set(host="127.0.0.1", port=proxy.port), poolclass=poolclass
+        )
         try:
             lease = lease_lock(engine, unique(), ttl=30)
             assert lease.acquire()
@@ -705,17 +711,22 @@ def test_a_lease_whose_connection_dies_after_its_answer_keeps_the_answer(
 
 
 @pytest.mark.parametrize("lease_db", ["mariadb"], indirect=True)
+@pytest.mark.parametrize("taken_meanwhile", [False, True], ids=["free", "taken-meanwhile"])
 def test_a_release_whose_answer_was_lost_after_it_freed_the_row_is_a_release(
-    lease_db: LeaseDatabase, monkeypatch: pytest.MonkeyPatch
+    lease_db: LeaseDatabase, monkeypatch: pytest.MonkeyPatch, taken_meanwhile: bool
 ) -> None:
     """MySQL's release is two round trips (the UPDATE, then ROW_COUNT()): the connection
     dies between them, after the row was freed. Sent again on a new connection the
-    release finds nothing to free; the row, free with our token, says it was ours."""
+    release finds nothing to free; the row, free with our token still on it, or taken
+    by a waiter at a higher token before our lease could have expired, says it was
+    ours."""
     from advisory_locks._core.steps import ROWS, Statement
     from advisory_locks._dialects.lease.mysql import MySQLLeaseBackend
 
     original = MySQLLeaseBackend.release
     ending: list[bool] = []
+    waiter: list[Any] = []
+    user_names: list[str] = []
 
     def release_then_die(self: Any, name: str, holder: str, token: int) -> Any:
         session = yield Statement(ROWS, "SELECT CONNECTION_ID()")
@@ -730,6 +741,10 @@ def test_a_release_whose_answer_was_lost_after_it_freed_the_row_is_a_release(
             if sent and ending:  # the UPDATE was answered (and committed): end it now
                 ending.clear()
                 lease_db.end_session(session[0][0])
+                if taken_meanwhile:  # (by the name the user gave, as a waiter would)
+                    taken = lease_lock(lease_db.engine, user_names[0], ttl=30, timeout=0)
+                    assert taken.acquire()
+                    waiter.append(taken)
             sent += 1
             answer = yield statement
 
@@ -737,14 +752,47 @@ def test_a_release_whose_answer_was_lost_after_it_freed_the_row_is_a_release(
     engine = create_engine(lease_db.url, pool_size=1, max_overflow=0)
     try:
         lease = lease_lock(engine, unique(), ttl=30)
+        user_names.append(lease.name)
         assert lease.acquire()
         ending.append(True)
         lease.release()
         assert not ending  # the connection did die between the two statements
         row = lease_db.row(lease.lease_name)
         assert row is not None
-        assert row.holder is None
+        if taken_meanwhile:
+            assert row.token == lease.token + 1  # type: ignore[operator]
+            assert row.holder is not None
+        else:
+            assert row.holder is None
         assert not lease.lost.is_set()
+    finally:
+        monkeypatch.undo()
+        for taken in waiter:
+            taken.release()
+        engine.dispose()
+
+
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_a_lease_statement_interrupted_while_its_connection_is_put_back_leaks_no_connection(
+    lease_db: LeaseDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interruption (Ctrl-C, a gevent timeout) while the library puts the connection's
+    mode back: it goes on up, and the pool has its connection back all the same."""
+    from advisory_locks._bindings import sqlalchemy_lease
+
+    def interrupted(dbapi: Any, previous: Any) -> None:
+        raise KeyboardInterrupt
+
+    engine = create_engine(lease_db.url, pool_size=1, max_overflow=0, pool_timeout=1)
+    try:
+        lease = lease_lock(engine, unique(), ttl=30)
+        monkeypatch.setattr(sqlalchemy_lease, "restore_driver_autocommit", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            lease.acquire()
+        monkeypatch.undo()
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        with engine.connect() as connection:  # the pool lends its connection again
+            connection.execute(text("SELECT 1"))
     finally:
         engine.dispose()
 

@@ -14,15 +14,24 @@ import math
 import multiprocessing
 import os
 import signal
+import socket
 import sqlite3
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg_pool import ConnectionPool
 from sqlalchemy.engine import make_url
 
-from advisory_locks import LeaseTableMissing, LockConnectionLost, UnsupportedFeature, lease_lock
+from advisory_locks import (
+    LeaseTableMissing,
+    LockConnectionLost,
+    LockLost,
+    UnsupportedFeature,
+    lease_lock,
+)
 from tests.helpers import EventRecorder
 from tests.lease.conftest import SESSION_ID_SQL, LeaseDatabase, fenced_write
 from tests.lease.raw_binds import PAIRS, RawBind
@@ -264,3 +273,60 @@ def test_a_lease_on_a_connection_the_server_ended_is_a_typed_error_and_released_
     assert row is not None
     assert row.holder is None
     assert not lease.lost.is_set()
+
+
+def test_a_lease_released_while_no_connection_can_be_opened_is_lock_lost(
+    raw: RawBind, lease_db: LeaseDatabase
+) -> None:
+    """A restart in progress: the connection the release meets is dead, or cannot be
+    opened, and no new one can be opened either. Not the driver's error: LockLost, and
+    the row stays ours until it expires."""
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        down_url = raw.url.set(host="127.0.0.1", port=closed.getsockname()[1])
+    if raw.kind.startswith("sqlite3"):
+        down_url = raw.url.set(database=str(Path(str(raw.url.database)).parent / "no" / "x.db"))
+    down = [False]
+    test_thread = threading.current_thread()
+
+    def url() -> Any:
+        # The renewer, in a thread of its own, is left alone.
+        return down_url if down[0] and threading.current_thread() is test_thread else raw.url
+
+    def connect() -> Any:
+        return RawBind(raw.kind, url()).connect()
+
+    name = unique()
+    options: dict[str, Any] = {"ttl": 30, "timeout": 0}
+    bind = raw.bind
+    if raw.kind == "psycopg-pool":
+        # What the pool opens is what conninfo says at that moment (psycopg_pool 3.3).
+        bind = ConnectionPool(
+            lambda: url().set(drivername="postgresql").render_as_string(hide_password=False),
+            min_size=1,
+            max_size=1,
+            timeout=10,
+            open=True,
+        )
+    else:
+        options["connect"] = connect
+    try:
+        lease = lease_lock(bind, name, **options)
+        assert lease.acquire()
+        if raw.kind == "psycopg-pool":
+            with bind.connection() as pooled:  # the pool's one connection: ended
+                session_id = pooled.info.backend_pid
+            lease_db.end_session(session_id)
+        down[0] = True
+        with pytest.raises(LockLost) as raised:
+            lease.release()
+        assert type(raised.value) is LockLost
+        assert raised.value.name == name
+        assert raised.value.__cause__ is not None
+        assert lease.lost.is_set()
+        row = lease_db.row(lease.lease_name)
+        assert row is not None
+        assert row.holder is not None
+    finally:
+        if bind is not raw.bind:
+            bind.close()
