@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
-__all__ = ["CHECKED_VERSIONS", "guard_checkin", "pool_of"]
+__all__ = ["CHECKED_VERSIONS", "aconnect_like", "connect_like", "guard_checkin", "pool_of"]
 
 CHECKED_VERSIONS: Final = ("3.2", "3.3")
 
@@ -87,3 +87,48 @@ def _return_at_once(pool: Any) -> Callable[[Any, bool], Any]:
             owner._return_connection(connection, from_getconn=from_getconn)
 
     return return_now
+
+
+def connect_like(pool: Any) -> Any:
+    """A new connection made as ``pool`` makes its own (``ConnectionPool._connect``), in
+    autocommit, never handed to the pool: its public ``connection_class``, ``conninfo``
+    and ``kwargs``, each of the last two called first where it is a function (psycopg_pool
+    3.3: credentials fetched per connection), and the pool's ``configure`` callable,
+    which it keeps as ``_configure``, run on it."""
+    conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo or ""
+    kwargs = pool.kwargs() if callable(pool.kwargs) else pool.kwargs or {}
+    connection = pool.connection_class.connect(conninfo, **{**kwargs, "autocommit": True})
+    configure = getattr(pool, "_configure", None)
+    if configure is not None:
+        try:
+            configure(connection)
+        except BaseException:
+            connection.close()
+            raise
+    return connection
+
+
+async def aconnect_like(pool: Any) -> Any:
+    """``connect_like`` for an ``AsyncConnectionPool`` (whose functions may be
+    coroutine functions, and whose ``configure`` is one)."""
+    conninfo = pool.conninfo
+    if callable(conninfo):
+        conninfo = conninfo()
+        if inspect.isawaitable(conninfo):
+            conninfo = await conninfo
+    kwargs = pool.kwargs
+    if callable(kwargs):
+        kwargs = kwargs()
+        if inspect.isawaitable(kwargs):
+            kwargs = await kwargs
+    connection = await pool.connection_class.connect(
+        conninfo or "", **{**(kwargs or {}), "autocommit": True}
+    )
+    configure = getattr(pool, "_configure", None)
+    if configure is not None:
+        try:
+            await configure(connection)
+        except BaseException:
+            await connection.close()
+            raise
+    return connection

@@ -210,11 +210,8 @@ def _register() -> None:
 
 
 def _open_like(pool: Any) -> Any:
-    """A connection made the way ``pool`` makes its own (psycopg_pool's public
-    ``connection_class``, ``conninfo`` and ``kwargs``), in autocommit."""
-    return pool.connection_class.connect(
-        pool.conninfo, **{**(pool.kwargs or {}), "autocommit": True}
-    )
+    """A connection made the way ``pool`` makes its own, in autocommit."""
+    return _psycopg_pool_compat.connect_like(pool)
 
 
 _register()

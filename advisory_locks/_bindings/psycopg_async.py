@@ -195,8 +195,7 @@ class AsyncPsycopgLeaseDriver:
             await pool.putconn(connection)  # a closed one is replaced by the pool
 
     async def open_like(self, pool: Any) -> Any:
-        kwargs = {**(pool.kwargs or {}), "autocommit": True}
-        return await pool.connection_class.connect(pool.conninfo, **kwargs)
+        return await _psycopg_pool_compat.aconnect_like(pool)
 
     async def close(self, connection: Any) -> None:
         await connection.close()

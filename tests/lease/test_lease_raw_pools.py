@@ -1,12 +1,17 @@
-"""A lease on a raw driver's pool that lends it no connection: the library's error, as
-for an advisory lock on that pool (tests/test_raw_postgres*.py), worded for a lease,
-naming it, and also the pool's own class. psycopg_pool's pools (sync and async) and
-asyncpg's, on PostgreSQL (the only database these pools speak to).
+"""Leases on psycopg_pool's pools (sync and async) and asyncpg's, on PostgreSQL (the
+only database these pools speak to), where they lend or open connections.
+
+A pool that lends a lease no connection: the library's error, as for an advisory lock on
+that pool (tests/test_raw_postgres*.py), worded for a lease, naming it, and also the
+pool's own class. A connection the lease opens itself (the renewer's, a release sent
+anew) is made as the pool makes its own, whatever form the pool's settings take.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Any
 
 import asyncpg
 import pytest
@@ -15,7 +20,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolClosed, PoolTi
 from advisory_locks import AdvisoryLockError, LockUsageError, lease_lock
 from advisory_locks.asyncpg import LockPoolClosed as AsyncpgPoolClosed
 from advisory_locks.psycopg_pool import LockConnectionTimeout, LockPoolClosed
-from tests.helpers import assert_refused_by_an_asyncpg_pool
+from tests.helpers import assert_refused_by_an_asyncpg_pool, wait_for
 from tests.lease.conftest import LeaseDatabase
 from tests.lease.test_lease_locks import unique
 
@@ -168,3 +173,63 @@ def test_a_lease_released_after_a_restart_ended_every_connection_of_its_psycopg_
         assert row is not None
         assert row.holder is None
         assert not lease.lost.is_set()
+
+
+def test_a_lease_on_a_psycopg_pool_with_functions_for_settings_renews_as_the_pool_connects(
+    lease_db: LeaseDatabase,
+) -> None:
+    """psycopg_pool 3.3 takes functions for ``conninfo`` and ``kwargs`` (credentials
+    fetched per connection) and runs ``configure`` on each new connection: the
+    renewer's connection is made the same way."""
+    configured: list[int] = []
+
+    def configure(connection: Any) -> None:
+        configured.append(connection.info.backend_pid)
+
+    with ConnectionPool(
+        lambda: dsn_of(lease_db),
+        kwargs=lambda: {"connect_timeout": 10},
+        configure=configure,
+        min_size=1,
+        max_size=1,
+        open=True,
+    ) as pool:
+        pool.wait()
+        lease = lease_lock(pool, unique(), ttl=3, renew_every=0.5, timeout=0)
+        assert lease.acquire()
+        renewed = lease_db.row(lease.lease_name).renewed_at  # type: ignore[union-attr]
+        wait_for(
+            lambda: lease_db.row(lease.lease_name).renewed_at != renewed,  # type: ignore[union-attr]
+            "the renewer renewed the lease on a connection of its own",
+        )
+        assert len(configured) >= 2  # the pool's one connection, and the renewer's
+        lease.release()
+        assert not lease.lost.is_set()
+
+
+async def test_a_lease_on_an_async_psycopg_pool_with_coroutines_for_settings_renews_likewise(
+    lease_db: LeaseDatabase,
+) -> None:
+    configured: list[int] = []
+
+    async def conninfo() -> str:
+        return dsn_of(lease_db)
+
+    async def configure(connection: Any) -> None:
+        configured.append(connection.info.backend_pid)
+
+    pool = AsyncConnectionPool(conninfo, configure=configure, min_size=1, max_size=1, open=False)
+    await pool.open(wait=True)
+    try:
+        lease = lease_lock(pool, unique(), ttl=3, renew_every=0.5, timeout=0)
+        assert await lease.acquire()
+        renewed = lease_db.row(lease.lease_name).renewed_at  # type: ignore[union-attr]
+        deadline = time.monotonic() + 20
+        while lease_db.row(lease.lease_name).renewed_at == renewed:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the renewer never renewed the lease"
+            await asyncio.sleep(0.05)
+        assert len(configured) >= 2
+        await lease.release()
+        assert not lease.lost.is_set()
+    finally:
+        await pool.close()
