@@ -581,15 +581,15 @@ class _LeaseRules:
         def release(backend: LeaseBackend) -> Any:
             return backend.release(holding.lease_name, holding.holder, holding.token)
 
+        first_sent: float | None = None  # when the first release went out, if it did
         try:
             borrowed = yield from self._borrow_steps()
-        except LockConnectionLost as error:  # lent dead
+        except Exception as error:
+            if not _no_connection(backend, error):
+                raise  # the pool's refusal, a forked child's connection, a usage error
             failure: Exception = error
-        except AdvisoryLockError:
-            raise  # the pool's refusal, or a forked child's connection
-        except Exception as error:  # opening a connection failed: the driver's error
-            failure = error
         else:
+            first_sent = time.monotonic()
             try:
                 released: bool = yield from self._borrowed_steps(release, borrowed)
             except Exception as error:
@@ -601,11 +601,9 @@ class _LeaseRules:
         logger.debug("releasing lease %r on a new connection", self.name, exc_info=failure)
         try:
             borrowed = yield from self._borrow_steps(anew=True)
-        except LockConnectionLost as error:
-            failure = error
-        except AdvisoryLockError:
-            raise
         except Exception as error:
+            if not _no_connection(backend, error):
+                raise
             failure = error
         else:
             try:
@@ -615,16 +613,19 @@ class _LeaseRules:
                     raise
                 failure = error
             else:
-                return released or (yield from self._released_unanswered_steps(holding))
+                if released or first_sent is None:
+                    return released
+                return (yield from self._released_unanswered_steps(holding, first_sent))
         reason = f"it could not be released ({failure}); the database frees it at its expiry"
         raise (yield from self._learn_loss_steps(holding, reason, asked=True)) from failure
 
-    def _released_unanswered_steps(self, holding: LeaseHolding) -> Steps[bool]:
-        """After a release sent again found nothing to free: whether the first one had
-        freed the row and lost only its answer (its connection died in between). The row
-        then is free with our token still on it, or, if a waiter took it since, held at
-        a higher token while our holding had not yet expired (nobody takes an unexpired
-        lease: it was freed)."""
+    def _released_unanswered_steps(self, holding: LeaseHolding, first_sent: float) -> Steps[bool]:
+        """After a release sent again found nothing to free: whether the first one, sent
+        at ``first_sent`` (monotonic), had freed the row and lost only its answer (its
+        connection died in between). The row then is free with our token still on it;
+        or a waiter took it since: held at a higher token, by a holding that began after
+        the first release went out (a duration on each side: the clocks need not agree)
+        while ours had not expired by our own deadline."""
         try:
             rows = yield from self._rows_steps(holding)
         except Exception:
@@ -633,7 +634,12 @@ class _LeaseRules:
         row = rows[0] if rows else None
         if row is None or (row.holder is None and row.token == holding.token):
             return True
-        return row.token > holding.token and not holding.overdue()
+        return (
+            row.token > holding.token
+            and row.held_for is not None
+            and row.held_for <= time.monotonic() - first_sent
+            and not holding.overdue()
+        )
 
     def _rows_steps(self, holding: LeaseHolding) -> Steps[list[LeaseRow]]:
         rows: list[LeaseRow] = yield from self._borrowed_steps(
@@ -756,6 +762,21 @@ class _LeaseRules:
         if holding.mark_lost(loss):
             logger.warning("%s", loss)
         return holding.loss or loss
+
+
+def _no_connection(backend: LeaseBackend, error: Exception) -> bool:
+    """Whether ``error``, raised by a borrow, means no working connection was had: one
+    lent dead (``LockConnectionLost``), or opening one failed (the backend's connection
+    failures, and DB-API's ``OperationalError``, the class drivers raise for a refused or
+    unreachable server, also as Django and SQLAlchemy wrap it). Not the library's other
+    refusals, nor usage errors."""
+    if isinstance(error, LockConnectionLost):
+        return True
+    if isinstance(error, AdvisoryLockError):
+        return False
+    return backend.is_connection_failure(error) or any(
+        cls.__name__ == "OperationalError" for cls in type(error).__mro__
+    )
 
 
 class LeaseLock(_LeaseRules, LockContract):

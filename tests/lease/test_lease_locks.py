@@ -797,6 +797,33 @@ def test_a_lease_statement_interrupted_while_its_connection_is_put_back_leaks_no
         engine.dispose()
 
 
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_a_lease_taken_over_before_a_release_that_met_a_dead_connection_is_stolen(
+    lease_db: LeaseDatabase,
+) -> None:
+    """The lease expired on the server while this process could not tell (its clock
+    stopped in a suspend, or a failover lost its last renewals) and another holder took
+    it; the release then meets a dead connection. The row, taken before the release
+    went out, is not read as one freed by it."""
+    engine = create_engine(lease_db.url, pool_size=1, max_overflow=0)
+    try:
+        lease = lease_lock(engine, unique(), ttl=30)
+        assert lease.acquire()
+        expire_now(lease_db, lease.lease_name)
+        thief = lease_lock(lease_db.engine, lease.name, ttl=30, timeout=0)
+        assert thief.acquire()
+        try:
+            end_the_pooled_connection(lease_db, engine)
+            time.sleep(0.2)  # the takeover well before the release goes out
+            with pytest.raises(LockStolen):
+                lease.release()
+            assert lease.lost.is_set()
+        finally:
+            thief.release()
+    finally:
+        engine.dispose()
+
+
 # -- bad input and a missing table ---------------------------------------------------------
 
 
