@@ -90,21 +90,24 @@ def _return_at_once(pool: Any) -> Callable[[Any, bool], Any]:
 
 
 def connect_like(pool: Any) -> Any:
-    """A new connection made as ``pool`` makes its own (``ConnectionPool._connect``), in
-    autocommit, never handed to the pool: its public ``connection_class``, ``conninfo``
+    """A new connection made as ``pool`` makes its own (``ConnectionPool._connect``), then
+    switched to autocommit, never handed to the pool: its public ``connection_class``, ``conninfo``
     and ``kwargs``, each of the last two called first where it is a function (psycopg_pool
     3.3: credentials fetched per connection), and the pool's ``configure`` callable,
     which it keeps as ``_configure``, run on it."""
     conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo or ""
     kwargs = pool.kwargs() if callable(pool.kwargs) else pool.kwargs or {}
-    connection = pool.connection_class.connect(conninfo, **{**kwargs, "autocommit": True})
-    configure = getattr(pool, "_configure", None)
-    if configure is not None:
-        try:
+    connection = pool.connection_class.connect(conninfo, **kwargs)
+    try:
+        configure = getattr(pool, "_configure", None)
+        if configure is not None:
             configure(connection)
-        except BaseException:
-            connection.close()
-            raise
+        # After configure, which may set its own mode; a transaction it left open
+        # refuses the switch, as the pool refuses such a connection.
+        connection.autocommit = True
+    except BaseException:
+        connection.close()
+        raise
     return connection
 
 
@@ -121,14 +124,13 @@ async def aconnect_like(pool: Any) -> Any:
         kwargs = kwargs()
         if inspect.isawaitable(kwargs):
             kwargs = await kwargs
-    connection = await pool.connection_class.connect(
-        conninfo or "", **{**(kwargs or {}), "autocommit": True}
-    )
-    configure = getattr(pool, "_configure", None)
-    if configure is not None:
-        try:
+    connection = await pool.connection_class.connect(conninfo or "", **(kwargs or {}))
+    try:
+        configure = getattr(pool, "_configure", None)
+        if configure is not None:
             await configure(connection)
-        except BaseException:
-            await connection.close()
-            raise
+        await connection.set_autocommit(True)  # after configure (see connect_like)
+    except BaseException:
+        await connection.close()
+        raise
     return connection

@@ -6,6 +6,7 @@ Native asyncio: every statement is awaited on the driver (no greenlet, no SQLAlc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from typing import Any
 
@@ -187,11 +188,16 @@ class AsyncPsycopgLeaseDriver:
 
     async def checkin(self, pool: Any, connection: Any, *, broken: bool) -> None:
         try:
-            if broken:
-                await connection.close()
-            elif self._autocommit.pop(connection, True) is False:
-                await connection.set_autocommit(False)
+            if not broken and self._autocommit.pop(connection, True) is False:
+                try:
+                    await connection.set_autocommit(False)
+                except BaseException:
+                    broken = True  # its mode unknown: replaced (see RawLeaseSite.give_back)
+                    raise
         finally:
+            if broken:
+                with contextlib.suppress(Exception):
+                    await connection.close()
             await pool.putconn(connection)  # a closed one is replaced by the pool
 
     async def open_like(self, pool: Any) -> Any:

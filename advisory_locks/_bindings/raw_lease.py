@@ -391,15 +391,18 @@ class RawLeaseSite:
             if not broken and restore is not None:
                 try:
                     restore_driver_autocommit(connection, restore[0])
-                except Exception:
-                    # The statements were answered: their result stands. The
-                    # connection, whose mode could not be put back, is replaced.
-                    logger.debug("a lease connection's mode could not be restored", exc_info=True)
+                except BaseException as error:
+                    # The connection, whose mode could not be put back, is replaced. The
+                    # statements were answered: their result stands (an interruption,
+                    # though, goes on up, after the check-in below).
                     broken = True
+                    if not isinstance(error, Exception):
+                        raise
+                    logger.debug("a lease connection's mode could not be restored", exc_info=True)
+        finally:
             if broken:
                 with contextlib.suppress(Exception):
                     connection.close()  # the pool replaces a closed connection
-        finally:
             self.driver.checkin(self._pool, connection)
 
     def borrow_anew(self) -> _SyncBorrowed:

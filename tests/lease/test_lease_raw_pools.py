@@ -185,6 +185,7 @@ def test_a_lease_on_a_psycopg_pool_with_functions_for_settings_renews_as_the_poo
 
     def configure(connection: Any) -> None:
         configured.append(connection.info.backend_pid)
+        connection.autocommit = False  # the application's mode, which the lease switches
 
     with ConnectionPool(
         lambda: dsn_of(lease_db),
@@ -217,6 +218,7 @@ async def test_a_lease_on_an_async_psycopg_pool_with_coroutines_for_settings_ren
 
     async def configure(connection: Any) -> None:
         configured.append(connection.info.backend_pid)
+        await connection.set_autocommit(False)  # the application's mode
 
     pool = AsyncConnectionPool(conninfo, configure=configure, min_size=1, max_size=1, open=False)
     await pool.open(wait=True)
@@ -233,3 +235,25 @@ async def test_a_lease_on_an_async_psycopg_pool_with_coroutines_for_settings_ren
         assert not lease.lost.is_set()
     finally:
         await pool.close()
+
+
+def test_a_lease_statement_interrupted_while_its_pool_connection_is_put_back_leaks_nothing(
+    lease_db: LeaseDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interruption while the lease puts a pooled connection's mode back: it goes on
+    up, and the pool has a connection to lend all the same, not one left in the lease's
+    mode."""
+    from advisory_locks._bindings import raw_lease
+
+    def interrupted(connection: Any, previous: Any) -> None:
+        raise KeyboardInterrupt
+
+    with ConnectionPool(dsn_of(lease_db), min_size=1, max_size=1, timeout=10, open=True) as pool:
+        pool.wait()
+        lease = lease_lock(pool, unique(), ttl=30, timeout=0)
+        monkeypatch.setattr(raw_lease, "restore_driver_autocommit", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            lease.acquire()
+        monkeypatch.undo()
+        with pool.connection(timeout=10) as connection:
+            assert not connection.autocommit
