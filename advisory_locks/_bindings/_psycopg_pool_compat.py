@@ -91,10 +91,10 @@ def _return_at_once(pool: Any) -> Callable[[Any, bool], Any]:
 
 def connect_like(pool: Any) -> Any:
     """A new connection made as ``pool`` makes its own (``ConnectionPool._connect``), then
-    switched to autocommit, never handed to the pool: its public ``connection_class``, ``conninfo``
-    and ``kwargs``, each of the last two called first where it is a function (psycopg_pool
-    3.3: credentials fetched per connection), and the pool's ``configure`` callable,
-    which it keeps as ``_configure``, run on it."""
+    switched to autocommit, never handed to the pool: its public ``connection_class``,
+    ``conninfo`` and ``kwargs``, each of the last two called first where it is a function
+    (psycopg_pool 3.3: credentials fetched per connection), and the pool's ``configure``
+    callable, which it keeps as ``_configure``, run on it."""
     conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo or ""
     kwargs = pool.kwargs() if callable(pool.kwargs) else pool.kwargs or {}
     connection = pool.connection_class.connect(conninfo, **kwargs)
