@@ -576,48 +576,44 @@ class _LeaseRules:
         renewal. A pool that refuses a connection (full, closed: the library's typed
         refusal) raises that, and the lease expires the same way.
         """
-        backend = self._site.backend
-
-        def release(backend: LeaseBackend) -> Any:
-            return backend.release(holding.lease_name, holding.holder, holding.token)
-
-        first_sent: float | None = None  # when the first release went out, if it did
-        try:
-            borrowed = yield from self._borrow_steps()
-        except Exception as error:
-            if not _no_connection(backend, error):
-                raise  # the pool's refusal, a forked child's connection, a usage error
-            failure: Exception = error
-        else:
-            first_sent = time.monotonic()
-            try:
-                released: bool = yield from self._borrowed_steps(release, borrowed)
-            except Exception as error:
-                if not backend.is_connection_failure(error):
-                    raise
-                failure = error
-            else:
-                return released
+        released, failure, first_sent = yield from self._release_try_steps(holding)
+        if failure is None:
+            return bool(released)
         logger.debug("releasing lease %r on a new connection", self.name, exc_info=failure)
+        released, failure, _ = yield from self._release_try_steps(holding, anew=True)
+        if failure is None:
+            if released or first_sent is None:
+                return bool(released)
+            return (yield from self._released_unanswered_steps(holding, first_sent))
+        reason = f"it could not be released ({failure}); the database frees it at its expiry"
+        raise (yield from self._learn_loss_steps(holding, reason, asked=True)) from failure
+
+    def _release_try_steps(
+        self, holding: LeaseHolding, *, anew: bool = False
+    ) -> Steps[tuple[bool | None, Exception | None, float | None]]:
+        """One try at freeing the holding's row, on a connection borrowed (``anew``: one
+        opened for it): the release's answer, or None with the error that left it
+        without a working connection (one lent dead or that died, or none opened); and
+        when (monotonic) the release went out, None where it did not. Other errors (the
+        pool's refusal, a forked child's connection, a usage error) are raised."""
+        backend = self._site.backend
         try:
-            borrowed = yield from self._borrow_steps(anew=True)
+            borrowed = yield from self._borrow_steps(anew=anew)
         except Exception as error:
             if not _no_connection(backend, error):
                 raise
-            failure = error
-        else:
-            try:
-                released = yield from self._borrowed_steps(release, borrowed)
-            except Exception as error:
-                if not backend.is_connection_failure(error):
-                    raise
-                failure = error
-            else:
-                if released or first_sent is None:
-                    return released
-                return (yield from self._released_unanswered_steps(holding, first_sent))
-        reason = f"it could not be released ({failure}); the database frees it at its expiry"
-        raise (yield from self._learn_loss_steps(holding, reason, asked=True)) from failure
+            return None, error, None
+        sent = time.monotonic()
+        try:
+            released: bool = yield from self._borrowed_steps(
+                lambda backend: backend.release(holding.lease_name, holding.holder, holding.token),
+                borrowed,
+            )
+        except Exception as error:
+            if not backend.is_connection_failure(error):
+                raise
+            return None, error, sent
+        return released, None, sent
 
     def _released_unanswered_steps(self, holding: LeaseHolding, first_sent: float) -> Steps[bool]:
         """After a release sent again found nothing to free: whether the first one, sent
