@@ -26,10 +26,13 @@ closes it, so that closing it cannot end the parent's session either.
 
 Transaction locks follow Django's own bookkeeping of a transaction's fate: each one puts a
 callback in ``connection.run_on_commit``. Django calls it after the outermost commit and
-drops it when the transaction, or a savepoint the lock was taken in, rolls back -- which
-is exactly when PostgreSQL releases the lock. A weakref finalizer notices the drop at once
-on CPython; the registry also checks the list each time it is used, so it stays right on
-interpreters that collect later.
+drops it when the transaction, or an ``atomic()`` savepoint the lock was taken in, rolls
+back -- which is exactly when PostgreSQL releases the lock. A weakref finalizer notices
+the drop at once on CPython; the registry also checks the list each time it is used, so
+it stays right on interpreters that collect later. Django drops nothing when it rolls
+back to a savepoint of ``transaction.savepoint()``, so every savepoint rollback is also
+watched (``_compat``'s savepoint-rollback hook): a transaction lock granted after the
+savepoint was made is forgotten there, as PostgreSQL lets go of it.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ from advisory_locks_django._compat import (
     new_wrapper,
     on_commit_callbacks,
     refuse_broken_transaction,
+    savepoint_number,
+    savepoints_made,
     uses_pool,
 )
 from advisory_locks_django.conf import SESSION_UNSAFE_POOLERS, lock_settings
@@ -93,6 +98,7 @@ __all__ = [
     "own_connection",
     "request_finished",
     "request_started",
+    "savepoint_rolled_back",
     "site_for_alias",
 ]
 
@@ -170,6 +176,9 @@ class DjangoConnectionLocks(ConnectionState):
     commit_hooks: dict[Holding, weakref.ReferenceType[Callable[[], None]]] = field(
         default_factory=dict
     )
+    # How many savepoints Django had made on the connection when each transaction lock
+    # was granted: rolling back to a savepoint numbered at most that releases the lock.
+    savepoints_before: dict[Holding, int] = field(default_factory=dict)
     # Session locks granted while this thread was inside a request.
     request_holdings: list[Holding] = field(default_factory=list)
     # Locks this library let go of without their holder's release, and why.
@@ -199,6 +208,7 @@ class DjangoConnectionLocks(ConnectionState):
         ConnectionState.forget(self, holding)
         if self.commit_hooks:
             self.commit_hooks.pop(holding, None)
+            self.savepoints_before.pop(holding, None)
 
     def released(self, holding: Holding, reason: str) -> None:
         """The server no longer holds ``holding``: forget it, and report its end (once;
@@ -226,6 +236,24 @@ class DjangoConnectionLocks(ConnectionState):
         finalizer = weakref.finalize(advisory_lock_committed, ended, "rollback")
         finalizer.atexit = False
         self.commit_hooks[holding] = weakref.ref(advisory_lock_committed)
+        self.savepoints_before[holding] = savepoints_made(wrapper)
+
+    def savepoint_rolled_back(self, name: str) -> None:
+        """Django rolled back to savepoint ``name``: forget the transaction locks granted
+        since it was made, which PostgreSQL has just released."""
+        wrapper = self.wrapper() if self.wrapper is not None else None
+        if not self.savepoints_before or wrapper is None:
+            return
+        number = savepoint_number(name)
+        made = savepoints_made(wrapper)
+        for holding, before in list(self.savepoints_before.items()):
+            # Savepoints are numbered in the order they are made. Where that cannot tell
+            # (an id of another form, or the counter set back by clean_savepoints()
+            # since the grant), the lock is forgotten: one still held is then taken
+            # again with SQL, while one kept after the server let go would be counted
+            # as re-entered while another connection takes it.
+            if number is None or number <= before or made < before:
+                self.released(holding, "rollback")
 
     def reconcile(self, wrapper: BaseDatabaseWrapper) -> None:
         """Forget transaction locks whose transaction or savepoint has ended."""
@@ -241,6 +269,14 @@ class DjangoConnectionLocks(ConnectionState):
         """Django closed or replaced the DB-API connection; the server let go of all."""
         for holding in self.connection_gone():
             self.released(holding, "connection_closed")
+
+
+def savepoint_rolled_back(wrapper: BaseDatabaseWrapper, sid: str) -> None:
+    """Django rolled ``wrapper``'s transaction back to savepoint ``sid`` (``atomic()``'s or
+    ``transaction.savepoint()``'s; ``_compat``'s savepoint-rollback hook)."""
+    locks = wrapper.__dict__.get(REGISTRY_ATTRIBUTE)
+    if isinstance(locks, DjangoConnectionLocks) and locks.dbapi_connection is wrapper.connection:
+        locks.savepoint_rolled_back(sid)
 
 
 def own_connection(wrapper: BaseDatabaseWrapper) -> None:

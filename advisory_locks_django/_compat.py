@@ -27,16 +27,19 @@ __all__ = [
     "connection_usable",
     "django_errors",
     "install_close_hook",
+    "install_savepoint_rollback_hook",
     "new_wrapper",
     "on_commit_callbacks",
     "refuse_broken_transaction",
+    "savepoint_number",
+    "savepoints_made",
     "uses_pool",
 ]
 
 CHECKED_DJANGO_VERSIONS: Final = ((4, 2), (5, 2), (6, 0))
 
-# Marks the wrapped close(), so installing twice (two app registries in one process,
-# tests that call ready() again) wraps once.
+# Marks the wrapped close() and savepoint_rollback(), so installing twice (two app
+# registries in one process, tests that call ready() again) wraps once.
 _HOOK_MARK: Final = "__advisory_locks_close_hook__"
 
 
@@ -71,6 +74,52 @@ def install_close_hook(before_close: Callable[[BaseDatabaseWrapper], None]) -> N
 
     setattr(close, _HOOK_MARK, True)
     BaseDatabaseWrapper.close = close  # type: ignore[method-assign]
+
+
+def install_savepoint_rollback_hook(
+    after_rollback: Callable[[BaseDatabaseWrapper, str], None],
+) -> None:
+    """Call ``after_rollback(wrapper, sid)`` each time Django has rolled a transaction
+    back to savepoint ``sid``.
+
+    Django forgets what a savepoint rollback undid only for ``on_commit()`` callbacks,
+    and only for the savepoints of ``atomic()`` blocks (``savepoint_ids``): the id that
+    ``transaction.savepoint()`` returns is in no callback's set, so rolling back to it
+    drops nothing. Both kinds are rolled back by ``BaseDatabaseWrapper.savepoint_rollback()``
+    (``atomic()``'s ``__exit__`` and ``transaction.savepoint_rollback()`` call it; no
+    backend in Django overrides it), so the wrapped function is put on the base class,
+    like the close hook. ``after_rollback`` runs in the connection's thread once the
+    rollback succeeded (also where Django did nothing: no transaction, so no transaction
+    lock either).
+    """
+    original = BaseDatabaseWrapper.savepoint_rollback
+    if getattr(original, _HOOK_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def savepoint_rollback(self: BaseDatabaseWrapper, sid: str) -> None:
+        original(self, sid)
+        if isinstance(sid, str):  # None: savepoint() made none (autocommit)
+            after_rollback(self, sid)
+
+    setattr(savepoint_rollback, _HOOK_MARK, True)
+    BaseDatabaseWrapper.savepoint_rollback = savepoint_rollback  # type: ignore[method-assign]
+
+
+def savepoints_made(wrapper: BaseDatabaseWrapper) -> int:
+    """How many savepoints ``wrapper.savepoint()`` has made: ``savepoint_state``, the
+    counter it numbers them with, which only ``clean_savepoints()`` sets back to 0."""
+    return int(wrapper.savepoint_state)
+
+
+def savepoint_number(sid: str) -> int | None:
+    """The number ``savepoint()`` gave savepoint ``sid``: its id is
+    ``"s<thread id>_x<savepoint_state>"`` (the same from Django 1.6 to 6.0). None for an
+    id of another form (a backend that names its savepoints itself)."""
+    prefix, mark, number = sid.rpartition("_x")
+    if not (mark and prefix.startswith("s") and number.isdigit()):
+        return None
+    return int(number)
 
 
 def on_commit_callbacks(wrapper: BaseDatabaseWrapper) -> Iterator[Callable[[], Any]]:

@@ -34,15 +34,21 @@ class AdvisoryLocksConfig(AppConfig):
         install_pymysql_if_needed(settings.DATABASES)
 
     def ready(self) -> None:
-        """Register the checks, the signal receivers, and the one private-API hook.
+        """Register the checks, the signal receivers, and the two private-API hooks.
 
         Django sends no signal when it closes a connection or gives it back to its pool,
         and a connection must never go back holding a lock this library took, so
         ``BaseDatabaseWrapper.close`` is wrapped once (see ``_compat.install_close_hook``
-        for why there, and the Django versions it was checked against).
+        for why there, and the Django versions it was checked against). Nor does it
+        track the savepoints of ``transaction.savepoint()``, whose rollback releases the
+        transaction locks taken since, so ``BaseDatabaseWrapper.savepoint_rollback`` is
+        wrapped once too (``_compat.install_savepoint_rollback_hook``).
         """
-        from advisory_locks_django._binding import connection_closing
-        from advisory_locks_django._compat import install_close_hook
+        from advisory_locks_django._binding import connection_closing, savepoint_rolled_back
+        from advisory_locks_django._compat import (
+            install_close_hook,
+            install_savepoint_rollback_hook,
+        )
         from advisory_locks_django.checks import (
             check_databases,
             check_mysql_driver,
@@ -55,6 +61,7 @@ class AdvisoryLocksConfig(AppConfig):
         checks.register(check_mysql_driver)
         checks.register(check_sqlite_files)
         install_close_hook(connection_closing)
+        install_savepoint_rollback_hook(savepoint_rolled_back)
         connection_created.connect(_connection_created, dispatch_uid="advisory_locks_django")
         request_started.connect(_request_started, dispatch_uid="advisory_locks_django")
         request_finished.connect(_request_finished, dispatch_uid="advisory_locks_django")

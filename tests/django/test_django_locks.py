@@ -322,6 +322,88 @@ def test_a_savepoint_rollback_keeps_a_transaction_lock_taken_before_it(admin: Ad
         assert name in current_advisory_locks()
 
 
+def test_a_manual_savepoint_rollback_releases_a_transaction_lock_taken_after_it(
+    admin: Admin,
+) -> None:
+    # transaction.savepoint() ids are not in Django's savepoint_ids, so its on_commit
+    # bookkeeping keeps the lock's callback through savepoint_rollback(): the library
+    # must learn of that rollback itself, or the next acquire is "re-entered" with no
+    # SQL while another connection takes the lock.
+    name = unique_name()
+    with transaction.atomic():
+        sid = transaction.savepoint()
+        first = advisory_lock(name, transaction=True)
+        assert first.acquire()
+        transaction.savepoint_rollback(sid)
+        assert holders(admin, name) == []
+        assert name not in current_advisory_locks()
+        again = advisory_lock(name, transaction=True, timeout=0)
+        assert again.acquire()
+        assert holders(admin, name) == [server_pid()]
+        assert in_thread(lambda: advisory_lock(name, timeout=0).acquire()) is False
+    assert holders(admin, name) == []
+
+
+def test_a_manual_savepoint_rollback_reports_the_lock_taken_after_it_lost(admin: Admin) -> None:
+    name = unique_name()
+    with transaction.atomic():
+        sid = transaction.savepoint()
+        lock = advisory_lock(name, transaction=True)
+        assert lock.acquire()
+        transaction.savepoint_rollback(sid)
+        assert not lock.held
+        with pytest.raises(LockLost):
+            lock.ensure_held()
+
+
+def test_a_manual_savepoint_rollback_keeps_a_transaction_lock_taken_before_it(
+    admin: Admin,
+) -> None:
+    name = unique_name()
+    with transaction.atomic():
+        lock = advisory_lock(name, transaction=True)
+        assert lock.acquire()
+        sid = transaction.savepoint()
+        assert lock.acquire()  # re-entered inside the savepoint: no SQL, nothing to undo
+        transaction.savepoint_rollback(sid)
+        assert holders(admin, name) == [server_pid()]
+        assert name in current_advisory_locks()
+        assert lock.held
+        lock.ensure_held()
+    assert holders(admin, name) == []
+
+
+def test_a_rollback_to_an_outer_savepoint_releases_a_lock_from_a_savepoint_released_in_it(
+    admin: Admin,
+) -> None:
+    name = unique_name()
+    with transaction.atomic():
+        outer = transaction.savepoint()
+        inner = transaction.savepoint()
+        assert advisory_lock(name, transaction=True).acquire()
+        transaction.savepoint_commit(inner)  # the lock now belongs to the outer savepoint
+        assert holders(admin, name) == [server_pid()]
+        transaction.savepoint_rollback(outer)
+        assert holders(admin, name) == []
+        assert name not in current_advisory_locks()
+        assert advisory_lock(name, transaction=True, timeout=0).acquire()
+        assert holders(admin, name) == [server_pid()]
+
+
+def test_a_manual_savepoint_inside_a_nested_atomic_releases_a_lock_at_its_rollback(
+    admin: Admin,
+) -> None:
+    name = unique_name()
+    with transaction.atomic(), transaction.atomic():
+        sid = transaction.savepoint()
+        assert advisory_lock(name, transaction=True).acquire()
+        transaction.savepoint_rollback(sid)
+        assert holders(admin, name) == []
+        assert advisory_lock(name, transaction=True, timeout=0).acquire()
+        assert holders(admin, name) == [server_pid()]
+        assert in_thread(lambda: advisory_lock(name, timeout=0).acquire()) is False
+
+
 def test_a_failed_acquire_inside_atomic_leaves_the_transaction_usable(admin: Admin) -> None:
     from tests.django_app.models import Product
 
