@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -462,6 +463,57 @@ def test_leases_on_mariadb_and_sqlite_exclude_a_sqlalchemy_worker(
         second = lease_lock(name, using=alias, key_prefix="", timeout=0)
         with pytest.raises(LockNotAcquired):
             second.__enter__()
+
+
+@pytest.fixture
+def sqlite_lease_alias(tmp_path: Path, django_db_blocker: Any) -> Iterator[str]:
+    aim_django_alias("sqlite", URL.create("sqlite"), tmp_path / "leases.sqlite3")
+    with django_db_blocker.unblock():
+        _create_table("sqlite")
+        yield "sqlite"
+        connections["sqlite"].close()
+
+
+def _hold_the_sqlite_write_lock(alias: str, write: Any) -> tuple[threading.Event, Any]:
+    """Run ``write()`` in another thread's ``atomic()``, which then keeps SQLite's write
+    lock until the returned event is set; returns once the write is made."""
+    written, finish = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with transaction.atomic(using=alias):
+            write()
+            written.set()
+            assert finish.wait(30)
+
+    result = run_in_thread(writer)
+    assert written.wait(30)
+    return finish, result
+
+
+def test_a_sqlite_lease_fenced_by_another_transaction_is_busy_for_a_thief(
+    sqlite_lease_alias: str,
+) -> None:
+    # Django raises SQLite's "database is locked" as its own OperationalError, which is
+    # no sqlite3.OperationalError: the lease must still read it as "held", as it does
+    # on PostgreSQL and MariaDB.
+    alias = sqlite_lease_alias
+    name = unique_name("lease")
+    holder = lease_lock(name, using=alias, ttl=30)
+    assert holder.acquire()
+    try:
+        finish, fenced = _hold_the_sqlite_write_lock(alias, holder.fence)
+        try:
+            started = time.monotonic()
+            assert lease_lock(name, using=alias, timeout=0).acquire() is False
+            assert lease_lock(name, using=alias, timeout=0.3).acquire() is False
+            assert time.monotonic() - started < 5
+        finally:
+            finish.set()
+            fenced.get()
+        assert lease_lock(name, using=alias, timeout=0).acquire() is False
+        holder.ensure_held()
+    finally:
+        holder.release()
 
 
 def test_a_lease_name_must_be_text() -> None:

@@ -124,7 +124,9 @@ class SQLiteLeaseBackend:
         yield Statement(SCRIPT, f"PRAGMA busy_timeout = {_busy_ms(lock_wait)}")
         try:
             rows = yield Statement(ROWS, ACQUIRE_SQL, (name, holder, _modifier(ttl)))
-        except sqlite3.OperationalError as error:
+        except Exception as error:
+            # Raised as the driver raised it, or wrapped (Django's OperationalError,
+            # SQLAlchemy's): the driver's error is in the chain either way.
             if not _is_busy(error):
                 raise
             return Attempt(None)  # another connection (a fence) holds the write lock
@@ -190,16 +192,28 @@ def _busy_ms(lock_wait: Timeout) -> int:
 
 
 def _is_busy(error: BaseException) -> bool:
-    return "locked" in str(error) or "busy" in str(error)
+    """Whether SQLite gave up waiting for another connection's lock on the database
+    (SQLITE_BUSY "database is locked", SQLITE_LOCKED "database table is locked")."""
+    for seen in _sqlite_error_chain(error):
+        if isinstance(seen, sqlite3.OperationalError):
+            return "locked" in str(seen) or "busy" in str(seen)
+    return False
 
 
 def _sqlite_error_says(error: BaseException, text: str) -> bool:
+    return any(
+        isinstance(seen, sqlite3.Error) and text in str(seen) for seen in _sqlite_error_chain(error)
+    )
+
+
+def _sqlite_error_chain(error: BaseException) -> list[BaseException]:
+    """``error`` and what it wraps: SQLAlchemy's ``orig``, Django's ``__cause__``."""
+    chain: list[BaseException] = []
     seen: BaseException | None = error
-    for _ in range(3):
-        if isinstance(seen, sqlite3.Error) and text in str(seen):
-            return True
+    while seen is not None and len(chain) < 3:
+        chain.append(seen)
         seen = getattr(seen, "orig", None) or getattr(seen, "__cause__", None)
-    return False
+    return chain
 
 
 def _lease_row(row: Sequence[Any]) -> LeaseRow:
