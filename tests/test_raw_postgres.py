@@ -8,6 +8,7 @@ the caller's transaction.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -389,6 +390,137 @@ def test_a_transaction_lock_is_free_for_another_connection_once_committed(
     connection.commit()
     assert not lock.held
     assert is_free(dsn, name)
+
+
+class RolledBack(Exception):
+    """Raised to roll a savepoint back."""
+
+
+def rolled_back_savepoint(target: RawTarget, connection: Any, body: Callable[[], None]) -> None:
+    """Run ``body`` inside a savepoint of the open transaction, then roll the savepoint back."""
+    if isinstance(connection, psycopg2.extensions.connection):
+        cursor = connection.cursor()
+        cursor.execute("SAVEPOINT inner_work")
+        body()
+        cursor.execute("ROLLBACK TO SAVEPOINT inner_work")
+        return
+    with contextlib.suppress(RolledBack), connection.transaction():
+        body()
+        raise RolledBack
+
+
+def transaction_lock_events(
+    recorder: EventRecorder, name: LockName
+) -> list[tuple[str, str | None]]:
+    """(kind, reason) of the transaction lock's events (``is_free`` reports session ones)."""
+    return [
+        (event.kind, event.reason) for event in recorder.about(name) if event.scope == "transaction"
+    ]
+
+
+def test_one_lock_object_taken_again_in_a_later_transaction_excludes_others(
+    connection_target: RawTarget, dsn: str
+) -> None:
+    # The commit and the next transaction's first statement happen between two calls of
+    # the library, which never sees the connection idle: the object's holding of the
+    # first transaction must not stand for the next one.
+    name = unique_name("raw-later-transaction")
+    connection = connection_target.connect()
+    lock = advisory_lock(connection, name, transaction=True, timeout=0)
+    for _ in range(3):
+        with open_transaction(connection_target, connection):
+            connection.cursor().execute("SELECT 1")
+            assert lock.acquire()
+            assert held(lock)
+            assert not is_free(dsn, name)
+        assert is_free(dsn, name)
+
+
+def test_one_lock_object_taken_again_after_its_savepoint_rolled_back_excludes_others(
+    connection_target: RawTarget, dsn: str
+) -> None:
+    name = unique_name("raw-savepoint-again")
+    connection = connection_target.connect()
+    lock = advisory_lock(connection, name, transaction=True, timeout=0)
+    with open_transaction(connection_target, connection):
+        connection.cursor().execute("SELECT 1")
+        rolled_back_savepoint(connection_target, connection, lambda: lock.acquire() or None)
+        assert is_free(dsn, name)  # the rollback to the savepoint released it
+        assert lock.acquire()
+        assert held(lock)
+        assert not is_free(dsn, name)
+
+
+def test_ensure_held_reports_a_transaction_lock_whose_transaction_ended_unseen(
+    connection_target: RawTarget,
+) -> None:
+    # held cannot know, without asking the server, that the connection committed and
+    # began the next transaction between two calls of the library; ensure_held() asks.
+    name = unique_name("raw-ensure-later-transaction")
+    connection = connection_target.connect()
+    lock = advisory_lock(connection, name, transaction=True, timeout=0)
+    with open_transaction(connection_target, connection):
+        assert lock.acquire()
+    with open_transaction(connection_target, connection):
+        connection.cursor().execute("SELECT 1")
+        with pytest.raises(LockLost, match="no longer holds"):
+            lock.ensure_held()
+        assert not held(lock)
+
+
+def test_a_transaction_lock_taken_twice_in_one_transaction_is_one_holding_counted_twice(
+    connection_target: RawTarget, dsn: str, lock_events: EventRecorder
+) -> None:
+    name = unique_name("raw-xact-twice")
+    connection = connection_target.connect()
+    lock = advisory_lock(connection, name, transaction=True, timeout=0)
+    with open_transaction(connection_target, connection):
+        connection.cursor().execute("SELECT 1")
+        assert lock.acquire()
+        assert lock.acquire()
+        lock.release()
+        assert held(lock)
+        lock.release()
+        assert not held(lock)
+        assert not is_free(dsn, name)  # a transaction lock stays with its transaction
+        assert current_advisory_locks(connection) == [name]
+    assert is_free(dsn, name)
+    assert current_advisory_locks(connection) == []
+    assert transaction_lock_events(lock_events, name) == [
+        ("acquired", None),
+        ("released", "transaction_ended"),
+    ]
+
+
+def test_a_transaction_lock_of_an_ended_transaction_is_not_counted_into_the_next(
+    connection_target: RawTarget, dsn: str, lock_events: EventRecorder
+) -> None:
+    # The first transaction's holding ended with it: one release in the next transaction
+    # lets the object go, and listeners hear two grants and two ends.
+    name = unique_name("raw-xact-not-counted-on")
+    connection = connection_target.connect()
+    lock = advisory_lock(connection, name, transaction=True, timeout=0)
+    for _ in range(2):
+        with open_transaction(connection_target, connection):
+            connection.cursor().execute("SELECT 1")
+            assert lock.acquire()
+            assert current_advisory_locks(connection) == [name]
+    with open_transaction(connection_target, connection):
+        connection.cursor().execute("SELECT 1")
+        assert lock.acquire()
+        lock.release()
+        assert not held(lock)
+        assert not is_free(dsn, name)
+    assert is_free(dsn, name)
+    assert current_advisory_locks(connection) == []
+    assert (
+        transaction_lock_events(lock_events, name)
+        == [
+            ("acquired", None),
+            ("released", "transaction_ended"),
+        ]
+        * 3
+    )
 
 
 # -- pools ------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ admin connection, is the witness of what the server holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import subprocess
 import sys
@@ -144,6 +145,10 @@ def is_free(dsn: str, name: str) -> bool:
         if row[0]:
             other.execute("SELECT pg_advisory_unlock(%s)", [unique_key(name)])
         return bool(row[0])
+
+
+class RolledBack(Exception):
+    """Raised to roll a savepoint back."""
 
 
 def unique_key(name: str) -> int:
@@ -415,6 +420,60 @@ async def test_a_transaction_lock_is_taken_again_in_the_next_transaction(
             async with advisory_lock(connection, name, transaction=True, timeout=0):
                 assert not is_free(dsn, name)
         assert is_free(dsn, name)
+
+
+async def test_one_lock_object_taken_again_in_a_later_transaction_excludes_others(
+    connection_target: AsyncRawTarget, dsn: str
+) -> None:
+    # The commit and the next transaction's first statement happen between two calls of
+    # the library: the object's holding of the first transaction must not stand for the
+    # next one.
+    name = unique_name("async-later-transaction")
+    connection = await connection_target.connect()
+    lock = advisory_lock(connection, name, transaction=True, timeout=0)
+    for _ in range(3):
+        async with connection.transaction():
+            await connection.execute("SELECT 1")
+            assert await lock.acquire()
+            assert held(lock)
+            assert not is_free(dsn, name)
+        assert is_free(dsn, name)
+
+
+async def test_one_lock_object_taken_again_after_its_savepoint_rolled_back_excludes_others(
+    connection_target: AsyncRawTarget, dsn: str
+) -> None:
+    name = unique_name("async-savepoint-again")
+    connection = await connection_target.connect()
+    lock = advisory_lock(connection, name, transaction=True, timeout=0)
+    async with connection.transaction():
+        await connection.execute("SELECT 1")
+        with contextlib.suppress(RolledBack):
+            async with connection.transaction():  # a savepoint
+                assert await lock.acquire()
+                raise RolledBack
+        assert is_free(dsn, name)  # the rollback to the savepoint released it
+        assert await lock.acquire()
+        assert held(lock)
+        assert not is_free(dsn, name)
+
+
+async def test_a_transaction_lock_taken_twice_in_one_transaction_is_counted_twice(
+    connection_target: AsyncRawTarget, dsn: str
+) -> None:
+    name = unique_name("async-xact-twice")
+    connection = await connection_target.connect()
+    lock = advisory_lock(connection, name, transaction=True, timeout=0)
+    async with connection.transaction():
+        assert await lock.acquire()
+        assert await lock.acquire()
+        await lock.release()
+        assert held(lock)
+        await lock.release()
+        assert not held(lock)
+        assert not is_free(dsn, name)  # a transaction lock stays with its transaction
+    assert is_free(dsn, name)
+    assert current_advisory_locks(connection) == []
 
 
 async def test_a_lock_set_on_a_pool_uses_one_connection(dsn: str, pg_admin: Admin) -> None:

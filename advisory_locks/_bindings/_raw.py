@@ -384,6 +384,7 @@ class RawConnectionState(ConnectionState):
     each time it is used (raw connections have no events)."""
 
     observes: ClassVar[bool] = True
+    sees_transaction_ends: ClassVar[bool] = False
     driver: RawDriver
     connection: weakref.ReferenceType[Any]
     epoch: object

@@ -201,6 +201,10 @@ class AdvisoryLock(LockContract):
             self._count = 0
         elif self._reenter():
             return True
+        # A transaction lock this object may still hold, which the server must confirm
+        # (see _reenter): its holders are counted in again only if it does.
+        kept, carried = self._holding, self._count
+        self._count = 0
         site = self._site
         options = self.options
         # No clock is read unless someone listens for events.
@@ -217,11 +221,11 @@ class AdvisoryLock(LockContract):
             # is handed the lock returns sooner (see ConnectionState.find_or_prepare),
             # and its release sends the unlock sooner too.
             granting = state.find_or_prepare(self.key_info, options.shared, options.transaction)
-            if granting.filed:
+            if granting.filed and not carried:
                 holding = granting
             else:
                 executor = borrowed.executor
-                statement, granting.unlock = site.backend.lock_statements(
+                statement, unlock = site.backend.lock_statements(
                     self.key_info,
                     options.shared,
                     options.transaction,
@@ -244,18 +248,24 @@ class AdvisoryLock(LockContract):
                 if not granted:
                     run_steps(self._refused(started, borrowed), site)
                     return False
-                # self._granted(started, state), without the call
-                holding = state.insert(granting)
-                if started is not None and events.listeners:
-                    report_grant(holding, self._source(state), time.monotonic() - started)
+                # A holding the server granted again (see _reenter) is filed already, and
+                # its grant was reported.
+                holding = granting
+                if not granting.filed:
+                    granting.unlock = unlock
+                    state.insert(granting)
+                    if started is not None and events.listeners:
+                        report_grant(holding, self._source(state), time.monotonic() - started)
             holding.count += 1
-            self._count = 1
+            self._count = carried + 1 if holding is kept else 1
             self._borrowed = borrowed
             self._holding = holding
             return True
         finally:
             if not self._count:
                 self._owner = None
+                if kept is not None:
+                    kept.count -= carried
 
     def release(self) -> None:
         """Give the lock back (a transaction lock stays with its transaction)."""
@@ -328,6 +338,8 @@ class AdvisoryLock(LockContract):
             self._count = 0
         elif self._reenter():
             return True
+        kept, carried = self._holding, self._count
+        self._count = 0
         site = self._site
         options = self.options
         started = time.monotonic() if events.listeners else None
@@ -341,11 +353,11 @@ class AdvisoryLock(LockContract):
                 await arun_steps(self._refuse_inherited(borrowed), site)
             # As in acquire(): the active holding, or the one a grant files.
             granting = state.find_or_prepare(self.key_info, options.shared, options.transaction)
-            if granting.filed:
+            if granting.filed and not carried:
                 holding = granting
             else:
                 executor = borrowed.executor
-                statement, granting.unlock = site.backend.lock_statements(
+                statement, unlock = site.backend.lock_statements(
                     self.key_info,
                     options.shared,
                     options.transaction,
@@ -366,23 +378,40 @@ class AdvisoryLock(LockContract):
                     await arun_steps(self._acquire_failed(started, borrowed, error), site)
                 if not granted:
                     return await arun_steps(self._refused(started, borrowed), site)
-                holding = state.insert(granting)
-                if started is not None and events.listeners:
-                    report_grant(holding, self._source(state), time.monotonic() - started)
+                holding = granting
+                if not granting.filed:
+                    granting.unlock = unlock
+                    state.insert(granting)
+                    if started is not None and events.listeners:
+                        report_grant(holding, self._source(state), time.monotonic() - started)
             holding.count += 1
-            self._count = 1
+            self._count = carried + 1 if holding is kept else 1
             self._borrowed = borrowed
             self._holding = holding
             return True
         finally:
             if not self._count:
                 self._owner = None
+                if kept is not None:
+                    kept.count -= carried
 
     # The parts of an acquire that every way of running it shares.
 
     def _reenter(self) -> bool:
         """Claim the object for this thread or task; True when it already holds the lock
-        (a re-entry: counted, no request)."""
+        (a re-entry: counted, no request).
+
+        False with ``_count`` left set: the object holds a transaction lock on a
+        connection whose transaction ends the binding does not see (a raw driver's, whose
+        caller may commit and begin the next transaction, or roll a savepoint back,
+        between two calls of the library). Counted without a request, it could stand for
+        a transaction that has ended, the lock free for anyone: the acquire sends the
+        lock statement instead (PostgreSQL grants a transaction lock its own transaction
+        holds at once, stacked, so in the same transaction that costs a round trip and
+        nothing else). Its holders are counted in again if the holding is still filed
+        once the connection is borrowed (a raw borrow asks the server first, and ends
+        the holdings of a transaction that ended); otherwise the grant is a new holding.
+        """
         kept = self._borrowed
         if kept is not None and kept.state.inherited:
             # A forked child's copy of a held lock: the parent holds it, this process
@@ -400,6 +429,8 @@ class AdvisoryLock(LockContract):
             state.observe()
         holding = self._holding
         if self._count and holding is not None and holding.active:
+            if holding.transaction and not state.sees_transaction_ends:
+                return False
             self._count += 1
             holding.count += 1
             return True
@@ -614,9 +645,10 @@ class AdvisoryLock(LockContract):
         yield Settle(borrowed)
         if holding.count > 0 or holding.transaction or borrowed.state.inherited:
             # Another holder on this connection still counts on it; a transaction lock
-            # is freed by the server when its transaction ends (until then taking it again
-            # on this connection is free, so the holding stays registered); and a forked
-            # child never gives back its parent's lock.
+            # is freed by the server when its transaction ends (until then the holding
+            # stays registered: taking it again on this connection sends nothing where
+            # the binding sees transactions end, one lock statement where it does not);
+            # and a forked child never gives back its parent's lock.
             return
         self._report_loss(holding, borrowed.state, "connection_closed", None)
         raise LockLost(

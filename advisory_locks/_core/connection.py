@@ -208,6 +208,12 @@ class ConnectionState:
 
     # Whether observe() has anything to do: the lock asks before each call.
     observes: ClassVar[bool] = False
+    # Whether the binding learns of every end of a transaction or savepoint on this
+    # connection as it happens (SQLAlchemy's and Django's hooks), so that an active
+    # transaction holding is certainly one of the current transaction. A raw driver
+    # connection may commit and begin the next transaction between two calls of the
+    # library: there, a lock object holding a transaction lock asks the server again.
+    sees_transaction_ends: ClassVar[bool] = True
 
     def observe(self) -> None:
         """Catch up, without a round trip, with what happened to the driver connection
