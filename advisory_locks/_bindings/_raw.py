@@ -33,11 +33,15 @@ Transactions, decided here for every raw driver:
   statement does (DB-API's implicit BEGIN) and the lock lasts until ``commit()`` or
   ``rollback()``. An autocommit connection outside a transaction, an asyncpg connection
   outside ``conn.transaction()`` and a pool bind refuse it (``UnsupportedFeature``).
-- Transaction locks are forgotten when the connection is seen idle. A transaction lock
-  still counted by a lock object when a later transaction lock is asked for is checked
-  with the server (the driver cannot tell one transaction from the next); one no lock
-  object counts on any more is forgotten, and taking it again costs one round trip
-  (the server grants a lock its own transaction holds at once).
+- Transaction locks are forgotten when the connection is seen idle, but the caller may
+  commit and begin the next transaction (or roll a savepoint back) between two calls
+  of the library, and the driver cannot tell one transaction from the next. So a
+  transaction lock still counted by a lock object when a later transaction lock is
+  asked for is checked with the server (``forget_ended_transaction_locks``); one no
+  lock object counts on any more is forgotten; and a lock object that takes its own
+  transaction lock again sends the lock statement (``sees_transaction_ends`` is False
+  here): the server grants a lock its own transaction holds at once, and one whose
+  transaction ended is then really acquired, not counted.
 
 Errors that mean the connection is gone become ``ConnectionGone`` (an
 ``AdvisoryLockError``) at acquire and ``LockLost`` for a held lock, never a raw driver
