@@ -113,6 +113,7 @@ BAD_TIMEOUTS: list[tuple[object, type[Exception]]] = [
     (10**12, ValueError),
     (1.8e305, ValueError),  # finite, but its milliseconds overflow a float
     (sys.float_info.max, ValueError),
+    (10**400, ValueError),  # an int too large for a float at all
     ("5", TypeError),
     (True, TypeError),
     (False, TypeError),
@@ -121,7 +122,9 @@ BAD_TIMEOUTS: list[tuple[object, type[Exception]]] = [
 
 
 @pytest.mark.parametrize(
-    ("timeout", "error"), BAD_TIMEOUTS, ids=[repr(timeout) for timeout, _ in BAD_TIMEOUTS]
+    ("timeout", "error"),
+    BAD_TIMEOUTS,
+    ids=[repr(timeout) if timeout != 10**400 else "10**400" for timeout, _ in BAD_TIMEOUTS],
 )
 def test_bad_timeout_is_rejected_before_any_sql(
     timeout: Any,
@@ -131,6 +134,14 @@ def test_bad_timeout_is_rejected_before_any_sql(
 ) -> None:
     with pytest.raises(error):
         advisory_lock(make_bind(), "a good name", timeout=timeout)
+    untouched.assert_no_sql_was_sent()
+
+
+def test_a_timeout_with_more_digits_than_repr_converts_is_named_by_its_size(
+    make_bind: Callable[[], SyncBind], untouched: UntouchedEngine
+) -> None:
+    with pytest.raises(ValueError, match="finite seconds > 0, not an integer of 16610 bits"):
+        advisory_lock(make_bind(), "a good name", timeout=10**5000)
     untouched.assert_no_sql_was_sent()
 
 

@@ -27,6 +27,8 @@ __all__ = [
     "Uncopyable",
     "lock_options",
     "not_acquired_error",
+    "number_text",
+    "seconds_of",
     "validate_flags",
     "validate_timeout",
 ]
@@ -99,13 +101,31 @@ def validate_timeout(timeout: object) -> Timeout:
         raise TypeError(
             f"timeout must be None or a number of seconds, not {type(timeout).__name__}"
         )
-    seconds = float(timeout)
+    seconds = seconds_of(timeout)
     if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
         raise ValueError(
             f"timeout must be None (wait forever), 0 (do not wait) or finite seconds > 0, "
-            f"not {timeout!r}"
+            f"not {number_text(timeout)}"
         )
     return seconds
+
+
+def seconds_of(number: int | float) -> float:
+    """``float(number)``, or infinity for an int too large for a float (which ``float()``
+    refuses with OverflowError): the caller's range check then refuses it with the
+    ValueError it gives any other out-of-range value."""
+    try:
+        return float(number)
+    except OverflowError:
+        return math.inf if number > 0 else -math.inf
+
+
+def number_text(number: object) -> str:
+    """``repr(number)`` for an error message; an int too large for a float may have more
+    digits than ``repr()`` converts (ValueError past ``sys.get_int_max_str_digits()``)."""
+    if isinstance(number, int) and math.isinf(seconds_of(number)):
+        return f"{'a negative' if number < 0 else 'an'} integer of {number.bit_length()} bits"
+    return repr(number)
 
 
 def not_acquired_error(name: LockName, timeout: Timeout) -> LockNotAcquired:

@@ -35,6 +35,8 @@ from advisory_locks._core.contract import (
     AsyncLockContract,
     LockContract,
     Timeout,
+    number_text,
+    seconds_of,
     validate_timeout,
 )
 from advisory_locks._core.prune import MAX_AGE_SECONDS
@@ -93,9 +95,9 @@ def safety_margin(ttl: float) -> float:
 def _seconds(option: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{option} must be a number of seconds, not {type(value).__name__}")
-    seconds = float(value)
+    seconds = seconds_of(value)
     if math.isnan(seconds) or math.isinf(seconds) or seconds <= 0:
-        raise ValueError(f"{option} must be finite seconds > 0, not {value!r}")
+        raise ValueError(f"{option} must be finite seconds > 0, not {number_text(value)}")
     return seconds
 
 

@@ -16,6 +16,7 @@ import math
 import re
 from typing import Any, Final
 
+from advisory_locks._core.contract import number_text, seconds_of
 from advisory_locks._core.steps import Borrow, Settle, Steps, on, run_steps
 from advisory_locks.errors import LeaseTableMissing
 
@@ -39,9 +40,11 @@ def prune_age(older_than: object) -> float:
             f"not {type(older_than).__name__}"
         )
     else:
-        seconds = float(older_than)
+        seconds = seconds_of(older_than)
     if math.isnan(seconds) or not 0 <= seconds <= MAX_AGE_SECONDS:
-        raise ValueError(f"older_than must be between 0 seconds and 100 years, not {older_than!r}")
+        raise ValueError(
+            f"older_than must be between 0 seconds and 100 years, not {number_text(older_than)}"
+        )
     return seconds
 
 

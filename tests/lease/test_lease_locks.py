@@ -839,12 +839,15 @@ def test_a_lease_taken_over_before_a_release_that_met_a_dead_connection_is_stole
         ({"ttl": MAX_TTL + 1}, ValueError),
         ({"ttl": 1e20}, ValueError),  # the expiry would leave SQLite's and MySQL's dates
         ({"ttl": 1.8e305}, ValueError),
+        ({"ttl": 10**400}, ValueError),  # an int too large for a float at all
         ({"ttl": 30, "renew_every": 27}, ValueError),
         ({"ttl": 30, "renew_every": 30}, ValueError),
         ({"ttl": 30, "renew_every": 0}, ValueError),
         ({"ttl": 30, "renew_every": float("nan")}, ValueError),
+        ({"ttl": 30, "renew_every": 10**400}, ValueError),
         ({"timeout": -1}, ValueError),
         ({"timeout": float("nan")}, ValueError),
+        ({"timeout": 10**400}, ValueError),
         ({"key_prefix": 1.5}, TypeError),
     ],
 )

@@ -101,6 +101,7 @@ def test_prune_takes_a_session_or_connection_and_leaves_its_transaction_alone(
         (float("inf"), ValueError),
         (datetime.timedelta(seconds=-5), ValueError),
         (200 * 365 * 86400, ValueError),
+        pytest.param(10**400, ValueError, id="10**400"),  # too large for a float at all
         ("3600", TypeError),
         (True, TypeError),
         (None, TypeError),
