@@ -10,7 +10,7 @@ import psycopg
 from django.db import connections
 from psycopg.rows import TupleRow
 
-from tests.helpers import holder_pids, lock_rows
+from tests.helpers import holder_pids, lock_rows, wait_for
 
 __all__ = ["ThreadResult", "holders", "in_thread", "run_in_thread", "server_pid"]
 
@@ -68,4 +68,23 @@ def holders(admin: psycopg.Connection[TupleRow], name: Any, **key_options: Any) 
         holder_pids(admin, name)
         if not key_options
         else [row.pid for row in lock_rows(admin, name, **key_options) if row.granted]
+    )
+
+
+def end_the_lease_listener(admin: psycopg.Connection[TupleRow]) -> None:
+    """End the LISTEN connection (it would idle on for 10 s), so that pytest-django can
+    drop the test database; with no waiter left, the listener thread ends with it."""
+    database = connections["default"].settings_dict["NAME"]
+    listening = (
+        "SELECT pid FROM pg_stat_activity WHERE datname = %s AND query = %s AND pid <> "
+        "pg_backend_pid()"
+    )
+    wait_for(
+        lambda: (
+            not admin.execute(
+                f"SELECT pg_terminate_backend(pid) FROM ({listening}) AS l",
+                [database, "LISTEN advisory_locks_lease"],
+            ).fetchall()
+        ),
+        "the lease listener's connection ended",
     )

@@ -31,7 +31,7 @@ from advisory_locks_django import (
 )
 from advisory_locks_django.checks import check_settings
 from advisory_locks_django.models import Lease
-from tests.django.support import run_in_thread
+from tests.django.support import end_the_lease_listener, run_in_thread
 from tests.django_aliases import aim_django_alias
 from tests.helpers import backend_alive, unique_name, wait_for
 
@@ -72,25 +72,6 @@ def _create_table(alias: str) -> None:
             cursor.execute(sql)
 
 
-def _end_the_listener(admin: Any) -> None:
-    """End the LISTEN connection (it would idle on for 10 s), so that pytest-django can
-    drop the test database; with no waiter left, the listener thread ends with it."""
-    database = connections["default"].settings_dict["NAME"]
-    listening = (
-        "SELECT pid FROM pg_stat_activity WHERE datname = %s AND query = %s AND pid <> "
-        "pg_backend_pid()"
-    )
-    wait_for(
-        lambda: (
-            not admin.execute(
-                f"SELECT pg_terminate_backend(pid) FROM ({listening}) AS l",
-                [database, "LISTEN advisory_locks_lease"],
-            ).fetchall()
-        ),
-        "the lease listener's connection ended",
-    )
-
-
 # -- PostgreSQL: the migrated test database -------------------------------------------------
 
 
@@ -102,7 +83,7 @@ class TestOnPostgreSQL:
         # A waiting acquire opens the LISTEN connection, which idles on for 10 s and
         # would keep pytest-django from dropping the test database after a short run.
         yield
-        _end_the_listener(admin)
+        end_the_lease_listener(admin)
 
     def test_with_block_holds_a_row_of_the_lease_model_with_its_token(self) -> None:
         name = unique_name("lease")
@@ -311,7 +292,7 @@ class TestOnPostgreSQL:
             holder.release()
             waiter.get()
         finally:
-            _end_the_listener(admin)
+            end_the_lease_listener(admin)
         # Without NOTIFY the waiter would sleep until the expiry it read (capped at 2 s).
         assert acquired_at[0] - released_at < 1.0
 
