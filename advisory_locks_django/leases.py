@@ -343,12 +343,18 @@ class _ThreadBorrow:
 class _OwnConnection:
     """A connection of its own to an alias's database (Django's connect(), autocommit),
     usable and closable from any thread: the renewer's, the listener's, or one lease
-    statement's inside the caller's atomic()."""
+    statement's inside the caller's atomic().
+
+    Never one of Django's pool (``OPTIONS["pool"]``): the renewer and the listener keep
+    theirs while leases are held or awaited, which would take it from the requests, and
+    a statement's beside the thread's own would wait for the pool behind that thread
+    (for the pool's whole timeout with a pool of one, or once every pooled connection is
+    a thread's inside atomic()). After a restart, every idle pooled one is dead too."""
 
     __slots__ = ("driver", "executor", "wrapper")
 
-    def __init__(self, alias: str, *, pooled: bool = True) -> None:
-        wrapper = new_wrapper(alias, pooled=pooled)
+    def __init__(self, alias: str) -> None:
+        wrapper = new_wrapper(alias, pooled=False)
         wrapper.inc_thread_sharing()
         try:
             wrapper.ensure_connection()
@@ -423,9 +429,8 @@ class DjangoLeaseSite:
         return _ThreadBorrow(wrapper)
 
     def borrow_anew(self) -> _OwnConnection:
-        """A connection of its own, opened for the statements and closed after them
-        (never one of Django's pool, whose idle ones may all be dead)."""
-        return _OwnConnection(self.alias, pooled=False)
+        """A connection of its own, opened for the statements and closed after them."""
+        return _OwnConnection(self.alias)
 
     def renewal_connection(self) -> _OwnConnection:
         return _OwnConnection(self.alias)
