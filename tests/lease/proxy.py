@@ -1,5 +1,6 @@
-"""A TCP proxy in front of a database server that a test can cut and restore: the
-network failure a renewer must survive, without touching the shared server."""
+"""A TCP proxy in front of a database server that a test can cut and restore, or whose
+open connections it can stall: the network failures a renewer must survive, without
+touching the shared server."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import selectors
 import socket
 import threading
+import time
 from types import TracebackType
 
 
@@ -17,6 +19,7 @@ class TcpProxy:
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
+        self._stalled: set[socket.socket] = set()
         self._open = True
         self._stopped = False
         self._thread = threading.Thread(target=self._accept, daemon=True)
@@ -47,6 +50,13 @@ class TcpProxy:
                     sock.close()
             self._sockets.clear()
 
+    def stall(self) -> None:
+        """Stop forwarding on every open connection, without closing it: whatever is sent
+        is neither answered nor refused, as through a partition or to a hung server (or
+        an old primary after a failover). New connections still go through."""
+        with self._lock:
+            self._stalled.update(self._sockets)
+
     def restore(self) -> None:
         with self._lock:
             self._open = True
@@ -76,6 +86,11 @@ class TcpProxy:
             for sock in peers:
                 selector.register(sock, selectors.EVENT_READ)
             while True:
+                if client in self._stalled:
+                    if client.fileno() < 0:
+                        return
+                    time.sleep(0.05)
+                    continue
                 for key, _mask in selector.select(timeout=0.5):
                     source: socket.socket = key.fileobj  # type: ignore[assignment]
                     data = source.recv(65536)
@@ -93,3 +108,4 @@ class TcpProxy:
                     sock.close()
             with self._lock:
                 self._sockets.difference_update(peers)
+                self._stalled.difference_update(peers)
