@@ -1,17 +1,20 @@
-"""The renewer: one daemon thread per process that keeps every held lease alive.
+"""The renewer: daemon threads that keep every held lease of the process alive.
 
 Leases are grouped by site (one per database) and renewed in batches: one statement
-extends every due lease of a site with the same ttl, on the renewer's own connection
+extends every due lease of a site with the same ttl, on that site's renewer connection
 (never a caller's Session, which is not thread-safe, and never a pooled connection the
 application might be waiting for). Leases due soon are renewed with those due now, so a
 site's leases fall into step and a period costs a handful of statements whatever their
-number.
+number. Each site has a thread of its own, so that a database that stops answering
+holds up the renewals of no other.
 
 A renewal that finds a row taken marks that lease lost at once (asking who holds it:
 ``LockStolen`` or ``LockLost``). A renewal that fails (the database unreachable, a
 restart) is logged and retried; the renewer never dies of it. Independently of any
 answer, a lease whose last successful renewal was sent ``ttl - margin`` ago is declared
-lost: the database may have let it expire by now.
+lost: the database may have let it expire by now. Where the site's thread cannot do it,
+blocked in a statement that is neither answered nor refused (a partition, a hung
+server), a watchdog thread that sends no statement does.
 """
 
 from __future__ import annotations
@@ -25,15 +28,17 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Generator, Iterable
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Generator, Iterable
+from typing import Any, Final, TypeVar
 
-from advisory_locks._core.lease import LeaseHolding, loss_error, still_ours
+from advisory_locks._core.lease import LeaseHolding, loss_error, safety_margin, still_ours
 from advisory_locks._core.steps import SCRIPT, Statement, Steps, on, run_steps
 
 __all__ = ["AsyncRenewer", "Renewer", "async_renewer", "renewer"]
 
 logger = logging.getLogger("advisory_locks")
+
+T = TypeVar("T")
 
 # After a failed renewal, try again after this part of the period (at most RETRY_MAX s).
 RETRY_FRACTION: Final = 0.25
@@ -41,12 +46,22 @@ RETRY_MAX: Final = 1.0
 # A due lease takes along the leases of its site due within this part of their period.
 ALIGN_FRACTION: Final = 0.5
 IDLE_WAIT: Final = 3600.0
+# A holding whose site's thread has not declared it by its deadline plus this part of
+# its safety margin is declared lost by the watchdog.
+STALL_GRACE_FRACTION: Final = 0.5
+# ...or, when that thread began its statement after the deadline, these seconds after.
+LATE_ANSWER_WAIT: Final = 1.0
+# How often the watchdog looks while a site's thread has an overdue holding to declare.
+WATCH_POLL: Final = 0.1
+# How long an abandoned async renewer connection may take to close.
+ABANDONED_CLOSE_WAIT: Final = 10.0
 
 
 class _Site:
-    """The renewer's view of one lease site: its holdings and its own connection."""
+    """The renewer's view of one lease site: its holdings, its own connection, and the
+    thread that renews them on it."""
 
-    __slots__ = ("connection", "fresh", "holdings", "site")
+    __slots__ = ("busy_since", "connection", "fresh", "holdings", "retired", "site", "wake_at")
 
     def __init__(self, site: Any) -> None:
         self.site = site
@@ -54,6 +69,15 @@ class _Site:
         self.connection: Any = None
         # Not yet connected to ahead of its first renewal.
         self.fresh = True
+        # Set once nothing is held here any more, or once its thread stalled and a new
+        # site took its holdings: its thread closes the connection and ends.
+        self.retired = False
+        # When its thread began the statements it is waiting on (None: not waiting).
+        self.busy_since: float | None = None
+        # When its waiting thread wakes up by itself (-inf: it is awake). A new holding
+        # due no earlier needs no notify: waking the thread for each of 10,000 acquires
+        # made each one cost a pass over every held lease.
+        self.wake_at = -math.inf
 
     def executor(self, renew_every: float) -> Any:
         if self.connection is None:
@@ -77,118 +101,135 @@ class _Site:
 
 
 class Renewer:
-    """Renews the leases this process holds; started on the first lease."""
+    """Renews the leases this process holds; started on the first lease.
+
+    Each site (database) is renewed by a thread of its own, so that a database that
+    stops answering (a partition, a hung server: the socket neither answers nor fails)
+    holds up only its own renewals. A watchdog thread, which sends no statement, declares
+    a holding lost when its site's thread is blocked in a statement past the holding's
+    deadline (``stall_due``), before the database may let the lease expire. That site's
+    stalled thread is then given up on: a new thread, on a new connection, renews what is
+    still held there, and the old one closes its connection and ends whenever its
+    statement returns.
+    """
 
     def __init__(self) -> None:
-        self._wake = threading.Condition()
+        self._lock = threading.Lock()
         self._sites: dict[int, _Site] = {}
-        self._retired: list[_Site] = []
-        self._thread: threading.Thread | None = None
-        # When the waiting thread will wake up by itself (-inf: it is awake and will look
-        # at every holding before it waits again). A new holding due no earlier needs no
-        # notify: waking the thread for each of 10,000 acquires made each one cost a
-        # pass over every held lease.
-        self._wake_at = -math.inf
+        # One condition per site thread (by id of its _Site), and the watchdog's; all on
+        # self._lock.
+        self._site_wakes: dict[int, threading.Condition] = {}
+        self._watch = threading.Condition(self._lock)
+        self._watch_at = -math.inf
+        self._watchdog: threading.Thread | None = None
 
     def hold(self, holding: LeaseHolding) -> None:
-        with self._wake:
+        with self._lock:
             site = self._sites.get(id(holding.site))
             if site is None or site.site is not holding.site:
                 site = self._sites[id(holding.site)] = _Site(holding.site)
             site.holdings.add(holding)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="advisory-locks-renewer", daemon=True
+            wake = self._site_wakes.get(id(site))
+            if wake is None:
+                self._start_site(site)
+            elif site.fresh or min(holding.next_due, holding.deadline) < site.wake_at:
+                wake.notify()
+            if self._watchdog is None or not self._watchdog.is_alive():
+                self._watchdog = threading.Thread(
+                    target=self._run_watchdog, name="advisory-locks-lease-deadlines", daemon=True
                 )
-                self._thread.start()
-            if site.fresh or min(holding.next_due, holding.deadline) < self._wake_at:
-                self._wake.notify()
+                self._watchdog.start()
+            elif holding.deadline + stall_grace(holding) < self._watch_at:
+                self._watch.notify()
 
     def forget(self, holding: LeaseHolding) -> None:
-        with self._wake:
+        with self._lock:
             site = self._sites.get(id(holding.site))
             if site is not None:
                 site.holdings.discard(holding)
                 if not site.holdings:
+                    # Its thread may be using the connection right now: it closes it.
                     del self._sites[id(holding.site)]
-                    if site.connection is None and self._wake_at != -math.inf:
-                        # No connection to close, and the thread is waiting, so it is
-                        # not opening one either: nothing to wake it for.
-                        return
-                    # The renewer thread may be using the connection right now: it
-                    # closes it itself.
-                    self._retired.append(site)
-                    self._wake.notify()
+                    self._retire(site)
 
     def holdings(self) -> list[LeaseHolding]:
-        with self._wake:
+        with self._lock:
             return [holding for site in self._sites.values() for holding in site.holdings]
 
-    # -- the thread -----------------------------------------------------------------------
+    def _start_site(self, site: _Site) -> None:
+        # Called with self._lock held.
+        self._site_wakes[id(site)] = threading.Condition(self._lock)
+        threading.Thread(
+            target=self._run_site, args=(site,), name="advisory-locks-renewer", daemon=True
+        ).start()
 
-    def _run(self) -> None:
-        while True:
-            try:
-                self._connect_new_sites()
-                self._wait_until_due()
-                self._close_retired()
-                now = time.monotonic()
-                for site in self._due_sites():
-                    self._renew_site(site, now)
-                self._declare_overdue()
-            except Exception:
-                # Whatever went wrong, the leases still need renewing.
-                logger.exception("lease renewer: unexpected error; carrying on")
-                time.sleep(RETRY_MAX)
+    def _retire(self, site: _Site) -> None:
+        # Called with self._lock held.
+        site.retired = True
+        wake = self._site_wakes.get(id(site))
+        if wake is not None:
+            wake.notify()
 
-    def _connect_new_sites(self) -> None:
-        # At once, not at the first renewal: a process frozen before then would otherwise
-        # connect after it resumes, and learn of a takeover that much later.
-        with self._wake:
-            new = [site for site in self._sites.values() if site.fresh and site.holdings]
-        for site in new:
-            site.fresh = False
-            holdings = list(site.holdings)
-            if holdings and site.connection is None:
-                try:
-                    site.executor(min(h.renew_every for h in holdings))
-                except Exception:
-                    logger.debug("the renewer could not connect yet", exc_info=True)
-                    site.drop_connection()
+    # -- a site's thread ------------------------------------------------------------------
 
-    def _close_retired(self) -> None:
-        with self._wake:
-            retired, self._retired = self._retired, []
-        for site in retired:
-            site.drop_connection()
-
-    def _registered(self, holding: LeaseHolding) -> bool:
-        with self._wake:
-            site = self._sites.get(id(holding.site))
-            return site is not None and holding in site.holdings
-
-    def _wait_until_due(self) -> None:
-        with self._wake:
+    def _run_site(self, site: _Site) -> None:
+        try:
             while True:
-                if self._retired or any(s.fresh and s.holdings for s in self._sites.values()):
+                try:
+                    if not self._wait_until_due(site):
+                        return
+                    if site.fresh:
+                        self._connect(site)
+                    now = time.monotonic()
+                    self._renew_site(site, now)
+                    self._declare_overdue(site)
+                except Exception:
+                    # Whatever went wrong, the leases still need renewing.
+                    logger.exception("lease renewer: unexpected error; carrying on")
+                    time.sleep(RETRY_MAX)
+        finally:
+            site.drop_connection()
+            with self._lock:
+                self._site_wakes.pop(id(site), None)
+
+    def _wait_until_due(self, site: _Site) -> bool:
+        """Wait until the site has work; False once it is retired."""
+        with self._lock:
+            wake = self._site_wakes[id(site)]
+            site.busy_since = None
+            while True:
+                if site.retired:
+                    return False
+                if site.fresh and site.holdings:
                     break
-                wake_at = next_wake(self._sites.values())
+                wake_at = next_wake([site])
                 if wake_at is not None:
                     delay = wake_at - time.monotonic()
                     if delay <= 0:
                         break
                 else:
                     wake_at, delay = math.inf, IDLE_WAIT
-                self._wake_at = wake_at
-                self._wake.wait(delay)
-            self._wake_at = -math.inf
+                site.wake_at = wake_at
+                wake.wait(delay)
+            site.wake_at = -math.inf
+            site.busy_since = time.monotonic()
+            return True
 
-    def _due_sites(self) -> list[_Site]:
-        with self._wake:
-            return list(self._sites.values())
+    def _connect(self, site: _Site) -> None:
+        # At once, not at the first renewal: a process frozen before then would otherwise
+        # connect after it resumes, and learn of a takeover that much later.
+        with self._lock:
+            site.fresh = False
+            holdings = list(site.holdings)
+        if holdings and site.connection is None:
+            try:
+                site.executor(min(h.renew_every for h in holdings))
+            except Exception:
+                logger.debug("the renewer could not connect yet", exc_info=True)
+                site.drop_connection()
 
     def _renew_site(self, site: _Site, now: float) -> None:
-        with self._wake:
+        with self._lock:
             holdings = [h for h in site.holdings if h.loss is None and not h.inherited]
         for ttl, batch in due_batches(site, holdings, now):
             self._renew_batch(site, ttl, batch)
@@ -206,25 +247,120 @@ class Renewer:
             return
         renewal_answered(answer, sent, period, self._registered)
 
-    def _declare_overdue(self) -> None:
+    def _declare_overdue(self, site: _Site) -> None:
         now = time.monotonic()
-        with self._wake:
-            overdue = overdue_by_site(self._sites.values(), now)
-        for site, holdings in overdue:
-            declare_overdue(holdings, _ask(site, holdings), now, self._registered)
+        with self._lock:
+            overdue = overdue_by_site([site], now)
+        for found, holdings in overdue:
+            declare_overdue(holdings, _ask(found, holdings), now, self._registered)
+
+    def _registered(self, holding: LeaseHolding) -> bool:
+        with self._lock:
+            site = self._sites.get(id(holding.site))
+            return site is not None and holding in site.holdings
+
+    # -- the watchdog ---------------------------------------------------------------------
+
+    def _run_watchdog(self) -> None:
+        while True:
+            try:
+                stalled = self._wait_for_a_stall()
+                if stalled is None:
+                    return
+                now = time.monotonic()
+                for holding in stalled:
+                    reason = (
+                        f"no renewal succeeded for {now - holding.last_sent:.3g} s "
+                        f"(ttl {holding.ttl:g} s), and the database has not answered the "
+                        "renewer since"
+                    )
+                    if self._registered(holding):
+                        _lost(holding, loss_error(holding, None, reason))
+            except Exception:
+                logger.exception("lease renewer watchdog: unexpected error; carrying on")
+                time.sleep(RETRY_MAX)
+
+    def _wait_for_a_stall(self) -> list[LeaseHolding] | None:
+        """The holdings whose site's thread is blocked in a statement past their
+        ``stall_due``, once there are any (each such site's thread replaced); None once
+        nothing is held."""
+        late: dict[LeaseHolding, float] = {}
+        with self._lock:
+            while True:
+                now = time.monotonic()
+                stalled: list[LeaseHolding] = []
+                wake_at = math.inf
+                for site in self._sites.values():
+                    for holding in site.holdings:
+                        if holding.loss is not None or holding.inherited:
+                            continue
+                        due = stall_due(holding, site.busy_since)
+                        if due is None:
+                            # Its site's thread is not in a statement: it declares the
+                            # holding lost itself at its deadline. Look again soon.
+                            first = holding.deadline + stall_grace(holding)
+                            due = first if first > now else now + WATCH_POLL
+                        elif due <= now and now >= holding.last_sent + holding.ttl:
+                            # Seen only after the database may have let it expire: this
+                            # thread was held up too (a frozen process). Its site's
+                            # thread, resumed with it, may yet answer who holds it now.
+                            due = late.setdefault(holding, now) + LATE_ANSWER_WAIT
+                        if due <= now:
+                            stalled.append(holding)
+                        wake_at = min(wake_at, due)
+                if stalled:
+                    break
+                if wake_at == math.inf:
+                    self._watchdog = None
+                    return None
+                self._watch_at = wake_at
+                self._watch.wait(wake_at - now)
+            self._watch_at = -math.inf
+            for key, site in list(self._sites.items()):
+                if site.busy_since is not None and any(h in site.holdings for h in stalled):
+                    # Its thread is blocked in a statement: the holdings still in time
+                    # go on with a new thread and connection.
+                    fresh = self._sites[key] = _Site(site.site)
+                    fresh.holdings, site.holdings = site.holdings, set()
+                    self._retire(site)
+                    self._start_site(fresh)
+            return stalled
 
     def after_fork_in_child(self) -> None:
-        # The parent's thread does not exist here, and the parent's leases are not ours:
+        # The parent's threads do not exist here, and the parent's leases are not ours:
         # a child neither renews nor releases them.
         # No lock is taken: the parent's renewer may have held one at the fork.
         for site in list(self._sites.values()):
             for holding in list(site.holdings):
                 holding.inherited = True
-        self._wake = threading.Condition()
+        self._lock = threading.Lock()
         self._sites = {}
-        self._retired = []
-        self._thread = None
-        self._wake_at = -math.inf
+        self._site_wakes = {}
+        self._watch = threading.Condition(self._lock)
+        self._watch_at = -math.inf
+        self._watchdog = None
+
+
+def stall_grace(holding: LeaseHolding) -> float:
+    """How long past its local deadline a holding waits for its site's thread to declare
+    it (with the database's word on who holds it) before the watchdog does."""
+    return safety_margin(holding.ttl) * STALL_GRACE_FRACTION
+
+
+def stall_due(holding: LeaseHolding, busy_since: float | None) -> float | None:
+    """When the watchdog declares ``holding`` lost, its site's thread having been in a
+    statement since ``busy_since`` (None: it is not, and declares it itself).
+
+    A thread blocked since before the deadline gets the grace: the database may let the
+    lease expire at the end of the margin. One that began after it (a process resumed
+    from a freeze asks who holds the lease now) gets ``LATE_ANSWER_WAIT``: the lease is
+    due to be declared lost anyway, and its answer tells ``LockStolen`` from
+    ``LockLost``."""
+    if busy_since is None:
+        return None
+    if busy_since < holding.deadline:
+        return holding.deadline + stall_grace(holding)
+    return busy_since + LATE_ANSWER_WAIT
 
 
 def due_batches(
@@ -345,14 +481,33 @@ def _lost(holding: LeaseHolding, loss: Any) -> None:
         logger.warning("%s", loss)
 
 
+def _forget_abandoned(
+    abandoned: set[asyncio.Future[Any]],
+) -> Callable[[asyncio.Future[Any]], None]:
+    def forget(task: asyncio.Future[Any]) -> None:
+        abandoned.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("an abandoned renewer statement failed", exc_info=task.exception())
+
+    return forget
+
+
+async def _close_quietly(connection: Any) -> None:
+    try:
+        await asyncio.wait_for(connection.aclose(), ABANDONED_CLOSE_WAIT)
+    except Exception:
+        logger.debug("closing an abandoned renewer connection failed", exc_info=True)
+
+
 def _script(sql: str) -> Generator[Statement, Any, None]:
     yield Statement(SCRIPT, sql)
 
 
 class _AsyncSite:
-    """The async renewer's view of one lease site: its holdings and its own connection."""
+    """The async renewer's view of one lease site: its holdings, its own connection, and
+    the task that renews them on it."""
 
-    __slots__ = ("connection", "fresh", "holdings", "site")
+    __slots__ = ("connection", "fresh", "holdings", "retired", "site", "task", "wake")
 
     def __init__(self, site: Any) -> None:
         self.site = site
@@ -360,6 +515,10 @@ class _AsyncSite:
         self.connection: Any = None
         # Not yet connected to ahead of its first renewal.
         self.fresh = True
+        # Set once nothing is held here any more: its task ends.
+        self.retired = False
+        self.task: asyncio.Task[None] | None = None
+        self.wake = asyncio.Event()
 
     async def executor(self, renew_every: float) -> Any:
         if self.connection is None:
@@ -383,28 +542,35 @@ class _AsyncSite:
 
 
 class AsyncRenewer:
-    """Renews the leases held through async binds on one event loop, from one task.
+    """Renews the leases held through async binds on one event loop, a task per site.
 
-    The same rules as the thread (``due_batches``, ``renewal_steps``, the deadlines), run
-    by awaiting: an asyncio driver's connection belongs to its loop, and a lease held by
-    a coroutine is renewed while that coroutine awaits. The task ends when nothing is
-    held and starts again with the next lease. A loop that stays blocked (CPU-bound code
-    in a coroutine) stops its renewals like a SIGSTOP would: once it runs again, the
-    local deadline or the next renewal tells its leases they were lost.
+    The same rules as the threads (``due_batches``, ``renewal_steps``, the deadlines),
+    run by awaiting: an asyncio driver's connection belongs to its loop, and a lease held
+    by a coroutine is renewed while that coroutine awaits. Each site (database) has a
+    task of its own, so that a database that stops answering holds up no other's
+    renewals; a statement there is given up on at its leases' deadline (``_bounded``).
+    A site's task ends when nothing is held there and starts again with the next lease.
+    A loop that stays blocked (CPU-bound code in a coroutine) stops its renewals like a
+    SIGSTOP would: once it runs again, the local deadline or the next renewal tells its
+    leases they were lost.
     """
 
     def __init__(self) -> None:
         self._sites: dict[int, _AsyncSite] = {}
-        self._retired: list[_AsyncSite] = []
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        # Abandoned statements and connections being closed (kept referenced until
+        # they are done).
+        self._closing: set[asyncio.Future[Any]] = set()
 
     def hold(self, holding: LeaseHolding) -> None:
         site = self._sites.get(id(holding.site))
         if site is None or site.site is not holding.site:
             site = self._sites[id(holding.site)] = _AsyncSite(holding.site)
         site.holdings.add(holding)
-        self._start()
+        if site.task is None or site.task.done():
+            site.task = asyncio.get_running_loop().create_task(
+                self._run(site), name="advisory-locks-renewer"
+            )
+        site.wake.set()
 
     def forget(self, holding: LeaseHolding) -> None:
         site = self._sites.get(id(holding.site))
@@ -413,74 +579,105 @@ class AsyncRenewer:
             if not site.holdings:
                 # The task may be using the connection right now: it closes it itself.
                 del self._sites[id(holding.site)]
-                self._retired.append(site)
-                self._start()
+                site.retired = True
+                site.wake.set()
 
     def holdings(self) -> list[LeaseHolding]:
         return [holding for site in self._sites.values() for holding in site.holdings]
-
-    def _start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(), name="advisory-locks-renewer"
-            )
-        self._wake.set()
 
     def _registered(self, holding: LeaseHolding) -> bool:
         site = self._sites.get(id(holding.site))
         return site is not None and holding in site.holdings
 
-    async def _run(self) -> None:
+    def _close_later(self, connection: Any) -> None:
+        if connection is not None:
+            self._keep_until_done(
+                asyncio.get_running_loop().create_task(_close_quietly(connection))
+            )
+
+    def _keep_until_done(self, task: asyncio.Future[Any]) -> None:
+        self._closing.add(task)
+        task.add_done_callback(_forget_abandoned(self._closing))
+
+    async def _bounded(self, site: _AsyncSite, work: Awaitable[T]) -> T:
+        """``work`` on ``site``'s connection, given up on at the first ``stall_due`` of
+        the site's holdings: a statement neither answered nor refused (a partition, a
+        hung server) must not keep them from being declared lost before the database
+        may let them expire. Those past their deadline then are, and the connection is
+        abandoned (closed in the background)."""
+        live = [h for h in site.holdings if h.loss is None and not h.inherited]
+        if not live:
+            return await work
+        now = time.monotonic()
+        limit = min(stall_due(h, now) or now for h in live) - now
+        # Not wait_for(): a driver may not end a cancelled statement before the server
+        # answers (psycopg waits for its cancel request), which a stall never does.
+        running = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({running}, timeout=limit if limit > 0 else LATE_ANSWER_WAIT)
+        except BaseException:
+            running.cancel()
+            raise
+        if running.done():
+            return running.result()
+        running.cancel()
+        self._keep_until_done(running)
+        connection, site.connection = site.connection, None
+        self._close_later(connection)
+        now = time.monotonic()
+        stalled = [h for h in live if h.loss is None and h.overdue(now)]
+        declare_overdue(stalled, {}, now, self._registered)
+        raise TimeoutError(f"the database did not answer the renewer within {max(limit, 0):.3g} s")
+
+    async def _run(self, site: _AsyncSite) -> None:
         while True:
             try:
-                await self._connect_new_sites()
-                if not await self._wait_until_due():
-                    # Nothing held, nothing to close: decided with no await since, so a
-                    # hold() after this starts a new task.
-                    self._task = None
+                await self._connect(site)
+                if not await self._wait_until_due(site):
+                    # Retired, or nothing left to renew: decided with no await since, so
+                    # a hold() after this starts a new task, and the connection is no
+                    # longer the site's.
+                    site.task = None
+                    connection, site.connection = site.connection, None
+                    site.fresh = True
+                    self._close_later(connection)
                     return
-                await self._close_retired()
                 now = time.monotonic()
-                for site in list(self._sites.values()):
-                    await self._renew_site(site, now)
-                await self._declare_overdue()
+                await self._renew_site(site, now)
+                await self._declare_overdue(site)
             except Exception:
                 # Whatever went wrong, the leases still need renewing.
                 logger.exception("lease renewer: unexpected error; carrying on")
                 await asyncio.sleep(RETRY_MAX)
 
-    async def _wait_until_due(self) -> bool:
+    async def _wait_until_due(self, site: _AsyncSite) -> bool:
         while True:
-            self._wake.clear()
-            if self._retired or any(s.fresh and s.holdings for s in self._sites.values()):
+            site.wake.clear()
+            if site.retired:
+                return False
+            if site.fresh and site.holdings:
                 return True
-            wake_at = next_wake(self._sites.values())
+            wake_at = next_wake([site])
             if wake_at is None:
                 return False
             delay = wake_at - time.monotonic()
             if delay <= 0:
                 return True
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+                await asyncio.wait_for(site.wake.wait(), delay)
 
-    async def _connect_new_sites(self) -> None:
-        # At once, not at the first renewal (see Renewer._connect_new_sites).
-        for site in list(self._sites.values()):
-            holdings = list(site.holdings)
-            if not (site.fresh and holdings):
-                continue
-            site.fresh = False
-            if site.connection is None:
-                try:
-                    await site.executor(min(h.renew_every for h in holdings))
-                except Exception:
-                    logger.debug("the renewer could not connect yet", exc_info=True)
-                    await site.drop_connection()
-
-    async def _close_retired(self) -> None:
-        retired, self._retired = self._retired, []
-        for site in retired:
-            await site.drop_connection()
+    async def _connect(self, site: _AsyncSite) -> None:
+        # At once, not at the first renewal (see Renewer._connect).
+        holdings = list(site.holdings)
+        if not (site.fresh and holdings):
+            return
+        site.fresh = False
+        if site.connection is None:
+            try:
+                await self._bounded(site, site.executor(min(h.renew_every for h in holdings)))
+            except Exception:
+                logger.debug("the renewer could not connect yet", exc_info=True)
+                await site.drop_connection()
 
     async def _renew_site(self, site: _AsyncSite, now: float) -> None:
         holdings = [h for h in site.holdings if h.loss is None and not h.inherited]
@@ -491,27 +688,34 @@ class AsyncRenewer:
         period = min(h.renew_every for h in batch)
         sent = time.monotonic()
         try:
-            executor = await site.executor(period)
+            executor = await self._bounded(site, site.executor(period))
             sent = time.monotonic()
-            answer = await site.site.run(renewal_steps(executor, site.site.backend, batch, ttl))
+            answer = await self._bounded(
+                site, site.site.run(renewal_steps(executor, site.site.backend, batch, ttl))
+            )
         except Exception as error:
             await site.drop_connection()
             renewal_failed(batch, error, period)
             return
         renewal_answered(answer, sent, period, self._registered)
 
-    async def _declare_overdue(self) -> None:
+    async def _declare_overdue(self, site: _AsyncSite) -> None:
         now = time.monotonic()
-        for site, holdings in overdue_by_site(list(self._sites.values()), now):
+        for found, holdings in overdue_by_site([site], now):
             rows: dict[str, Any] = {}
             try:
-                executor = await site.executor(min(h.renew_every for h in holdings))
-                found = await site.site.run(
-                    on(executor, site.site.backend.rows([h.lease_name for h in holdings]))
+                executor = await self._bounded(
+                    found, found.executor(min(h.renew_every for h in holdings))
                 )
-                rows = {row.name: row for row in found}
+                answered = await self._bounded(
+                    found,
+                    found.site.run(
+                        on(executor, found.site.backend.rows([h.lease_name for h in holdings]))
+                    ),
+                )
+                rows = {row.name: row for row in answered}
             except Exception:
-                await site.drop_connection()
+                await found.drop_connection()
             declare_overdue(holdings, rows, now, self._registered)
 
 

@@ -30,6 +30,7 @@ from advisory_locks import (
     AsyncLeaseLock,
     LeaseTableMissing,
     LockConnectionLost,
+    LockLost,
     LockStolen,
     UnsupportedFeature,
     lease_lock,
@@ -414,3 +415,59 @@ async def test_a_lease_on_a_pooled_connection_the_server_ended_raises_no_driver_
     assert row is not None
     assert row.holder is None
     assert not lease.lost.is_set()
+
+
+@pytest.mark.parametrize("kind", ["asyncpg-connection", "psycopg-connection"])
+async def test_an_async_lease_whose_database_stops_answering_is_lost_in_time(
+    kind: str, lease_db: LeaseDatabase
+) -> None:
+    """The loop's renewer awaits a renewal that is neither answered nor refused (a
+    partition, a hung server): it gives up on it at the lease's deadline, declares the
+    lease lost before the database may let it expire, and renews the other database's
+    leases and those still in time on a new connection."""
+    from tests.lease.proxy import TcpProxy
+
+    with TcpProxy(lease_db.url.host or "127.0.0.1", lease_db.url.port or 0) as proxy:
+        # connect= opens a connection per statement: none the stall froze is used again.
+        far = await AsyncBind(kind, lease_db.url.set(host="127.0.0.1", port=proxy.port)).open()
+        near = await AsyncBind(kind, lease_db.url).open()
+        ttl, period = 3.0, 0.5
+        short = far.lease(unique(), ttl=ttl, renew_every=period)
+        long = far.lease(unique(), ttl=8.0, renew_every=1.0)
+        other = near.lease(unique(), ttl=8.0, renew_every=period)
+        try:
+            assert await short.acquire()
+            assert await long.acquire()
+            assert await other.acquire()
+            acquired = lease_db.row(short.lease_name).renewed_at  # type: ignore[union-attr]
+            while lease_db.row(short.lease_name).renewed_at == acquired:  # type: ignore[union-attr]
+                await asyncio.sleep(0.05)  # until the renewer has its connection
+            proxy.stall()
+            stalled = time.monotonic()
+            long_renewed = lease_db.row(long.lease_name).renewed_at  # type: ignore[union-attr]
+            other_renewed = lease_db.row(other.lease_name).renewed_at  # type: ignore[union-attr]
+
+            await asyncio.wait_for(short.lost.wait(), ttl + 2)
+            assert time.monotonic() - stalled <= ttl  # before the database may expire it
+            with pytest.raises(LockLost) as raised:
+                await short.ensure_held()
+            assert type(raised.value) is LockLost
+
+            deadline = time.monotonic() + 10
+            while lease_db.row(long.lease_name).renewed_at == long_renewed:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "the far lease still in time was renewed"
+                await asyncio.sleep(0.05)
+            assert lease_db.row(other.lease_name).renewed_at != other_renewed  # type: ignore[union-attr]
+            await asyncio.sleep(max(0.0, stalled + 8.5 - time.monotonic()))
+            assert not long.lost.is_set()
+            assert not other.lost.is_set()
+            await long.ensure_held()
+            await other.ensure_held()
+        finally:
+            await long.release()
+            await other.release()
+            with pytest.raises(LockLost):
+                await short.release()
+            proxy.cut()  # the bind's own connection is stalled too: end it
+            await far.close()
+            await near.close()

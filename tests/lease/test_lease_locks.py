@@ -485,6 +485,67 @@ def test_an_unreachable_database_loses_the_lease_locally_ttl_minus_margin_after_
         engine.dispose()
 
 
+@pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
+def test_a_database_that_stops_answering_loses_its_leases_in_time_and_stalls_no_other(
+    lease_db: LeaseDatabase,
+) -> None:
+    """A partition or a hung server: the renewer's statement is neither answered nor
+    refused, so its thread blocks. The leases there are still declared lost before the
+    database can let them expire; those on another database go on being renewed; and
+    those there still in time are renewed on a new connection (after a failover, the
+    new primary answers new connections while the old socket hangs)."""
+    from tests.lease.proxy import TcpProxy
+
+    with TcpProxy(lease_db.url.host or "127.0.0.1", lease_db.url.port or 0) as proxy:
+        # NullPool: no statement of the test reuses a connection the stall froze.
+        far = create_engine(lease_db.url.set(host="127.0.0.1", port=proxy.port), poolclass=NullPool)
+        short_ttl, period = 3.0, 0.5
+        short = lease_lock(far, unique(), ttl=short_ttl, renew_every=period)
+        long = lease_lock(far, unique(), ttl=8.0, renew_every=1.0)
+        near = lease_lock(lease_db.engine, unique(), ttl=short_ttl, renew_every=period)
+        assert short.acquire()
+        assert long.acquire()
+        assert near.acquire()
+        try:
+            acquired = lease_db.row(short.lease_name).renewed_at  # type: ignore[union-attr]
+            wait_for(
+                lambda: lease_db.row(short.lease_name).renewed_at != acquired,  # type: ignore[union-attr]
+                "the far renewer renewed through its connection",
+            )
+            proxy.stall()
+            stalled = time.monotonic()
+            near_renewed = lease_db.row(near.lease_name).renewed_at  # type: ignore[union-attr]
+            long_renewed = lease_db.row(long.lease_name).renewed_at  # type: ignore[union-attr]
+
+            assert short.lost.wait(short_ttl + 2)
+            # Before the database could have let it expire: its last renewal was sent
+            # before the stall (and reached the database).
+            assert time.monotonic() - stalled <= short_ttl
+            with pytest.raises(LockLost) as raised:
+                short.ensure_held()
+            assert type(raised.value) is LockLost  # nobody could be asked
+
+            # The other database's lease was renewed meanwhile, and is not lost.
+            assert lease_db.row(near.lease_name).renewed_at != near_renewed  # type: ignore[union-attr]
+            assert not near.lost.is_set()
+            # The long lease is renewed through a new connection, past the time it would
+            # have expired had its renewals stayed behind the hung one.
+            wait_for(
+                lambda: lease_db.row(long.lease_name).renewed_at != long_renewed,  # type: ignore[union-attr]
+                "the far lease still in time was renewed on a new connection",
+            )
+            time.sleep(max(0.0, stalled + 8.5 - time.monotonic()))
+            assert not long.lost.is_set()
+            long.ensure_held()
+            near.ensure_held()
+        finally:
+            long.release()
+            near.release()
+            with pytest.raises(LockLost):
+                short.release()
+            far.dispose()
+
+
 # -- connections that die or do not come ---------------------------------------------------
 
 
