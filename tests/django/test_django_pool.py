@@ -204,11 +204,15 @@ def test_a_lease_waiters_listen_connection_is_none_of_the_pools(admin: Admin) ->
             cursor.execute("SELECT pg_listening_channels()")
             return [row[0] for row in cursor.fetchall()]
 
+    end_the_lease_listener(admin)  # one an earlier test left idling
     holding = run_in_thread(holder)
     assert held.wait(10)
     waiting = run_in_thread(wait_on_the_pool)
     # A listener that asked the pool for its connection would still be waiting for it.
-    listening = "SELECT pid FROM pg_stat_activity WHERE query = 'LISTEN advisory_locks_lease'"
+    listening = (
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND query = 'LISTEN advisory_locks_lease'"
+    )
     wait_for(lambda: admin.execute(listening).fetchall(), "a LISTEN connection")
     assert pooled_pid
     assert [pid for (pid,) in admin.execute(listening).fetchall()] != pooled_pid
