@@ -615,6 +615,11 @@ class AsyncRenewer:
         running = asyncio.ensure_future(work)
         try:
             await asyncio.wait({running}, timeout=limit if limit > 0 else LATE_ANSWER_WAIT)
+            if not running.done() and time.monotonic() >= min(h.last_sent + h.ttl for h in live):
+                # Woken only after the database may have let a lease expire: the loop was
+                # held up too (a frozen process), and the statement, resumed with it, may
+                # yet answer who holds the lease now.
+                await asyncio.wait({running}, timeout=LATE_ANSWER_WAIT)
         except BaseException:
             running.cancel()
             raise
