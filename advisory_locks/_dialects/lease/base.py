@@ -129,3 +129,7 @@ class LeaseBackend(Protocol):
 
     def is_connection_failure(self, error: BaseException) -> bool:
         """Whether ``error`` means the connection is gone."""
+
+    def is_busy(self, error: BaseException) -> bool:
+        """Whether ``error`` means a statement gave up waiting for a lock that another
+        transaction holds (the statement did nothing; the connection is fine)."""

@@ -139,7 +139,7 @@ class MySQLLeaseBackend:
         except Exception as error:
             # A fenced row stayed locked (1205), or two first-time upserts of nearby
             # names deadlocked on InnoDB's gap locks (1213): either way not ours this time.
-            if error_code(error) in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK):
+            if self.is_busy(error):
                 return Attempt(None)
             raise
         rows = yield Statement(ROWS, ATTEMPT_SQL, (holder, name))
@@ -210,6 +210,11 @@ class MySQLLeaseBackend:
 
     def is_connection_failure(self, error: BaseException) -> bool:
         return _advisory.is_connection_failure(error)
+
+    def is_busy(self, error: BaseException) -> bool:
+        # innodb_lock_wait_timeout ran out, or InnoDB chose this statement as a
+        # deadlock's victim: either way it was rolled back.
+        return error_code(error) in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK)
 
 
 def _lock_wait_seconds(lock_wait: Timeout, *, mariadb: bool) -> int:

@@ -161,7 +161,7 @@ class PostgresLeaseBackend:
                 ROWS, ACQUIRE_SQL, (name, holder, ttl, str(_lock_timeout_ms(lock_wait)))
             )
         except Exception as error:
-            if sqlstate_of(error) == LOCK_NOT_AVAILABLE:
+            if self.is_busy(error):
                 return Attempt(None)  # a fenced transaction keeps the row locked
             raise
         if rows:
@@ -202,6 +202,10 @@ class PostgresLeaseBackend:
 
     def is_connection_failure(self, error: BaseException) -> bool:
         return _advisory.is_connection_failure(error)
+
+    def is_busy(self, error: BaseException) -> bool:
+        # lock_timeout ran out (the acquire's own, or one the server or role sets).
+        return sqlstate_of(error) == LOCK_NOT_AVAILABLE
 
 
 def _lock_timeout_ms(lock_wait: Timeout) -> int:

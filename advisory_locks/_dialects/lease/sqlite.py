@@ -127,7 +127,7 @@ class SQLiteLeaseBackend:
         except Exception as error:
             # Raised as the driver raised it, or wrapped (Django's OperationalError,
             # SQLAlchemy's): the driver's error is in the chain either way.
-            if not _is_busy(error):
+            if not self.is_busy(error):
                 raise
             return Attempt(None)  # another connection (a fence) holds the write lock
         finally:
@@ -178,6 +178,9 @@ class SQLiteLeaseBackend:
 
     def is_connection_failure(self, error: BaseException) -> bool:
         return _sqlite_error_says(error, "closed")
+
+    def is_busy(self, error: BaseException) -> bool:
+        return _is_busy(error)
 
 
 def _modifier(seconds: float) -> str:
