@@ -577,7 +577,26 @@ class _LeaseRules:
         either is ``LockLost``: the row stays until it expires, ttl after its last
         renewal. A pool that refuses a connection (full, closed: the library's typed
         refusal) raises that, and the lease expires the same way.
+
+        A release that gave up waiting for another transaction's lock (SQLite's write
+        lock, a MySQL fence's row lock, kept past the connection's lock wait) is
+        ``LockLost`` too, and the row expires the same way: the statement did nothing,
+        and it is not sent again, since its connection works and a new one would wait
+        for the same lock.
         """
+        try:
+            return (yield from self._unhold_or_resend_steps(holding))
+        except Exception as error:
+            if isinstance(error, AdvisoryLockError) or not self._site.backend.is_busy(error):
+                raise
+            busy = error
+        reason = (
+            f"it could not be released: another transaction kept it locked for longer "
+            f"than the release waits ({busy}); the database frees it at its expiry"
+        )
+        raise (yield from self._learn_loss_steps(holding, reason)) from busy
+
+    def _unhold_or_resend_steps(self, holding: LeaseHolding) -> Steps[bool]:
         released, failure, first_sent = yield from self._release_try_steps(holding)
         if failure is None:
             return bool(released)

@@ -22,7 +22,7 @@ from django.db import connections, transaction
 from django.test import RequestFactory, override_settings
 from sqlalchemy.engine import URL
 
-from advisory_locks import LockConnectionLost
+from advisory_locks import LockConnectionLost, LockLost
 from advisory_locks_django import (
     LockNotAcquired,
     LockStolen,
@@ -495,6 +495,33 @@ def test_a_sqlite_lease_fenced_by_another_transaction_is_busy_for_a_thief(
         holder.ensure_held()
     finally:
         holder.release()
+
+
+def test_a_sqlite_lease_released_while_another_transaction_is_fenced_is_lock_lost(
+    sqlite_lease_alias: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The write lock is kept past the lease connections' busy timeout: LockLost, not
+    # Django's OperationalError, and the row stays ours until it expires.
+    alias = sqlite_lease_alias
+    monkeypatch.setitem(connections.settings[alias].setdefault("OPTIONS", {}), "timeout", 0.3)
+    connections[alias].close()  # opened by the fixture, with the default 5 s
+    name = unique_name("lease")
+    holder = lease_lock(name, using=alias, ttl=30)
+    assert holder.acquire()
+    finish, fenced = _hold_the_sqlite_write_lock(alias, holder.fence)
+    try:
+        with pytest.raises(LockLost) as raised:
+            holder.release()
+    finally:
+        finish.set()
+        fenced.get()
+    assert type(raised.value) is LockLost
+    assert raised.value.__cause__ is not None
+    assert holder.lost.is_set()
+    assert not holder.held
+    row = Lease.objects.using(alias).get(name=name)
+    assert row.holder is not None
+    assert lease_lock(name, using=alias, timeout=0).acquire() is False
 
 
 def test_a_lease_name_must_be_text() -> None:

@@ -634,6 +634,97 @@ def test_a_lease_released_while_the_database_cannot_be_reached_is_lock_lost(
     assert row.expires_in > 20
 
 
+# How long the lease's own connections wait for another transaction's lock: short, so
+# that a release meeting one gives up within the test.
+SHORT_LOCK_WAIT: dict[str, dict[str, Any]] = {
+    "mariadb": {"init_command": "SET SESSION innodb_lock_wait_timeout = 1"},
+    "sqlite": {"timeout": 0.3},
+}
+
+
+def assert_lost_and_kept_until_expiry(lease: Any, lease_db: LeaseDatabase, raised: Any) -> None:
+    """A release that could not free the row: LockLost (nobody else holds it), reported,
+    and the row still ours until its expiry."""
+    assert type(raised.value) is LockLost
+    assert raised.value.name == lease.name
+    assert raised.value.__cause__ is not None
+    assert lease.lost.is_set()
+    assert not lease.held
+    row = lease_db.row(lease.lease_name)
+    assert row is not None
+    assert row.holder is not None
+    assert row.expires_in > 20
+
+
+@pytest.mark.parametrize("lease_db", ["sqlite"], indirect=True)
+def test_a_sqlite_lease_released_while_another_connection_writes_is_lock_lost(
+    lease_db: LeaseDatabase,
+) -> None:
+    """Another connection keeps SQLite's write lock for longer than the release's busy
+    timeout: not the driver's "database is locked", and not a lease that says it was
+    freed while its row stays held."""
+    engine = create_engine(lease_db.url, connect_args=SHORT_LOCK_WAIT["sqlite"])
+    locked, finish = threading.Event(), threading.Event()
+
+    def write() -> None:
+        with lease_db.admin.connect() as connection:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+            locked.set()
+            assert finish.wait(30)
+            connection.exec_driver_sql("ROLLBACK")
+
+    writer = threading.Thread(target=write)
+    try:
+        lease = lease_lock(engine, unique(), ttl=30, timeout=0)
+        assert lease.acquire()
+        writer.start()
+        assert locked.wait(30)
+        with pytest.raises(LockLost) as raised:
+            lease.release()
+        finish.set()
+        writer.join(30)
+        assert_lost_and_kept_until_expiry(lease, lease_db, raised)
+    finally:
+        finish.set()
+        if writer.is_alive():
+            writer.join(30)
+        engine.dispose()
+
+
+@pytest.mark.parametrize("lease_db", ["mariadb", "sqlite"], indirect=True)
+def test_a_release_that_meets_a_fenced_transaction_past_its_lock_wait_is_lock_lost(
+    lease_db: LeaseDatabase,
+) -> None:
+    """A fence held open in another thread: MariaDB's shared row lock and SQLite's write
+    lock make the release wait, for the connection's lock wait, then LockLost. (On
+    PostgreSQL a fence's KEY SHARE lets the release through at once.)"""
+    engine = create_engine(lease_db.url, connect_args=SHORT_LOCK_WAIT[lease_db.kind])
+    fenced, finish = threading.Event(), threading.Event()
+    lease = lease_lock(engine, unique(), ttl=30, timeout=0)
+
+    def fence() -> None:
+        with lease_db.engine.begin() as connection:
+            lease.fence(connection)
+            fenced.set()
+            assert finish.wait(30)
+
+    fencer = threading.Thread(target=fence)
+    try:
+        assert lease.acquire()
+        fencer.start()
+        assert fenced.wait(30)
+        with pytest.raises(LockLost) as raised:
+            lease.release()
+        finish.set()
+        fencer.join(30)
+        assert_lost_and_kept_until_expiry(lease, lease_db, raised)
+    finally:
+        finish.set()
+        if fencer.is_alive():
+            fencer.join(30)
+        engine.dispose()
+
+
 @pytest.mark.parametrize("lease_db", ["postgresql", "mariadb"], indirect=True)
 def test_a_lease_that_gets_no_connection_raises_what_the_engine_raises(
     lease_db: LeaseDatabase,
