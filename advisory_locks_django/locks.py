@@ -388,6 +388,8 @@ class DjangoAdvisoryLock(AdvisoryLock):
                 "that acquired it; release it in that thread (Django's transactions "
                 "belong to their thread)"
             )
+        # Inside the caller's own atomic() block too, before a holder is counted out.
+        self._refuse_another_thread(locks)
         atomic = atomics.pop()
         if atomic is not None:
             self._atomic_on = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import pickle
 import threading
@@ -58,6 +59,45 @@ def test_taking_one_object_from_two_threads_is_refused(pg_engine: Engine) -> Non
     assert len(errors) == 1
     assert isinstance(errors[0], LockUsageError)
     assert "another thread or task" in str(errors[0])
+
+
+def test_releasing_from_another_thread_is_refused_before_any_sql(
+    pg_engine: Engine, pg_admin: Admin
+) -> None:
+    # A Connection is not thread-safe: the unlock would go out on it while its thread
+    # may be running a query. The holder keeps the lock, and can release it.
+    name = unique_name()
+    with pg_engine.connect() as connection:
+        lock = advisory_lock(connection, name)
+        assert lock.acquire()
+        errors: list[BaseException] = []
+        thread = threading.Thread(target=lambda: _capture(lock.release, errors))
+        thread.start()
+        thread.join()
+        assert len(errors) == 1
+        assert isinstance(errors[0], LockUsageError)
+        assert "release it in that thread" in str(errors[0])
+        assert lock.held
+        assert len(holder_pids(pg_admin, name)) == 1
+        lock.release()
+        assert holder_pids(pg_admin, name) == []
+
+
+async def test_releasing_from_another_task_of_the_same_thread_is_allowed(
+    postgres_url: URL, pg_admin: Admin
+) -> None:
+    # asyncio.wait_for() (before Python 3.12), gather() and task groups run an acquire in
+    # a task of their own: the release in the caller's task is on the same thread, and
+    # the connection's own lock orders the two.
+    name = unique_name()
+    async with await psycopg.AsyncConnection.connect(
+        libpq_url(postgres_url), autocommit=True
+    ) as raw:
+        lock = advisory_lock(raw, name)
+        assert await asyncio.create_task(lock.acquire())
+        assert holder_pids(pg_admin, name) == [raw.info.backend_pid]
+        await lock.release()
+        assert holder_pids(pg_admin, name) == []
 
 
 def test_another_thread_cannot_claim_an_object_whose_unlock_is_on_its_way(

@@ -277,6 +277,7 @@ class AdvisoryLock(LockContract):
         state = borrowed.state
         if state.observes:
             state.observe()
+        self._refuse_another_thread(state)
         self._count -= 1
         holding.count -= 1
         if self._count:
@@ -457,6 +458,28 @@ class AdvisoryLock(LockContract):
                 )
             self._owner = owner
 
+    def _refuse_another_thread(self, state: ConnectionState) -> None:
+        """Refuse a release from a thread other than the holder's, before any SQL.
+
+        The unlock goes out on the holder's connection, which belongs to its thread (a
+        Django connection, a SQLAlchemy Connection, a PyMySQL connection: none is
+        thread-safe), and may be running that thread's query right now. Counted out from
+        here, the holder's own release would find nothing to release. Another asyncio task
+        of the same thread may release (wait_for() before Python 3.12, gather() and task
+        groups run an acquire in a task of their own); a forked child's copy of its
+        parent's lock sends nothing, and is let go from any thread.
+        """
+        owner = self._owner
+        if owner is None or state.inherited:
+            return
+        thread = owner if isinstance(owner, int) else owner[0]
+        if thread != _thread_id():
+            raise LockUsageError(
+                f"lock object {self.name!r} was acquired in another thread; release it in "
+                "that thread (its connection belongs to that thread, which may be running "
+                "a query on it)"
+            )
+
     def _acquire_steps(self, borrowed: Borrowed) -> StatementSteps[bool]:
         """The backend's whole acquire: where it has no ``lock_statement``, or that raised."""
         options = self.options
@@ -590,6 +613,7 @@ class AdvisoryLock(LockContract):
         state = borrowed.state
         if state.observes:
             state.observe()
+        self._refuse_another_thread(state)
         self._count -= 1
         holding.count -= 1
         if self._count:

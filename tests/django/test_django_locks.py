@@ -509,6 +509,41 @@ def test_releasing_another_threads_lock_by_name_says_it_is_held_elsewhere(admin:
         in_thread(lambda: advisory_lock(name).release())
 
 
+def test_a_session_lock_refuses_a_release_from_another_thread_before_any_sql(
+    admin: Admin,
+) -> None:
+    # A Django connection belongs to its thread: released from another thread, the unlock
+    # would be sent on the holder's connection, perhaps while the holder runs a query on it.
+    name = unique_name()
+    lock = advisory_lock(name)
+    assert lock.acquire()
+    try:
+        with pytest.raises(LockUsageError, match="release it in that thread"):
+            in_thread(lock.release)
+        assert lock.held
+        assert holders(admin, name) == [server_pid()]
+    finally:
+        lock.release()  # the holder still can
+    assert holders(admin, name) == []
+
+
+def test_a_transaction_lock_inside_atomic_refuses_a_release_from_another_thread(
+    admin: Admin,
+) -> None:
+    # It opened no atomic() block of its own, so the block check does not apply: the
+    # holder's count must stay whole all the same.
+    name = unique_name()
+    lock = advisory_lock(name, transaction=True)
+    with transaction.atomic():
+        assert lock.acquire()
+        with pytest.raises(LockUsageError, match="release it in that thread"):
+            in_thread(lock.release)
+        assert lock.held
+        lock.release()
+        assert holders(admin, name) == [server_pid()]  # until the block commits
+    assert holders(admin, name) == []
+
+
 def _refused_in_async_code(monkeypatch: pytest.MonkeyPatch, prepare: Callable[[], None]) -> None:
     """In async code, run ``prepare`` while DJANGO_ALLOW_ASYNC_UNSAFE is set (it opens the
     async context's connection), then check that a sync acquire is refused like a query."""

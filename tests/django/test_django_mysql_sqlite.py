@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,12 @@ from django.core.signals import request_finished
 from django.db import connections
 from sqlalchemy.engine import URL
 
-from advisory_locks import LockLost, UnsupportedFeature
+from advisory_locks import LockLost, LockUsageError, UnsupportedFeature
 from advisory_locks._dialects.mysql import server_lock_name
 from advisory_locks.keys import derive_key, lock_key
 from advisory_locks_django import advisory_lock
 from tests.databases import pymysql_connect
-from tests.django.support import in_thread
+from tests.django.support import in_thread, run_in_thread
 from tests.django_aliases import aim_django_alias
 from tests.helpers import unique_name
 
@@ -156,6 +157,40 @@ def test_a_sqlite_lock_outlives_commits_on_its_django_connection(sqlite_alias: s
         with transaction.atomic(using=sqlite_alias):
             connections[sqlite_alias].cursor().execute("CREATE TABLE t (x)")
         assert not _free_in_another_thread(name, sqlite_alias)
+
+
+# -- a lock is released in the thread that took it -------------------------------------------
+
+
+@pytest.mark.parametrize("alias_fixture", ["mysql_alias", "sqlite_alias"])
+def test_a_release_from_another_thread_is_refused_while_the_holder_queries(
+    alias_fixture: str, request: pytest.FixtureRequest
+) -> None:
+    # The unlock would go out on the holder's connection in the middle of its query (on
+    # PyMySQL: "Packet sequence number wrong", then a closed connection): refused unsent.
+    alias = request.getfixturevalue(alias_fixture)
+    name = unique_name("xthread")
+    lock = advisory_lock(name, using=alias)
+    assert lock.acquire()
+    try:
+        releaser = run_in_thread(lambda: (time.sleep(0.3), lock.release()))
+        with connections[alias].cursor() as cursor:
+            if connections[alias].vendor == "mysql":
+                cursor.execute("SELECT SLEEP(1), 7")
+            else:
+                cursor.execute("SELECT 0, 7")
+                releaser.thread.join(10)
+            assert list(cursor.fetchall()) == [(0, 7)]
+        with pytest.raises(LockUsageError, match="release it in that thread"):
+            releaser.get()
+        assert lock.held
+        assert not _free_in_another_thread(name, alias)
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SELECT 8")
+            assert list(cursor.fetchall()) == [(8,)]
+    finally:
+        lock.release()
+    assert _free_in_another_thread(name, alias)
 
 
 # -- what the refusals say ------------------------------------------------------------------
