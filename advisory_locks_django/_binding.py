@@ -70,9 +70,11 @@ from advisory_locks_django import conf
 from advisory_locks_django._compat import (
     autocommit,
     django_errors,
+    health_check_due,
     new_wrapper,
     on_commit_callbacks,
     refuse_broken_transaction,
+    run_health_check,
     savepoint_number,
     savepoints_made,
     uses_pool,
@@ -301,6 +303,10 @@ def own_connection(wrapper: BaseDatabaseWrapper) -> None:
                 "atomic() before taking locks in the child"
             )
         wrapper.close()
+    if health_check_due(wrapper):
+        # A persistent connection's first use in a request (CONN_HEALTH_CHECKS): one the
+        # server ended between requests is replaced, as for Django's own first query.
+        run_health_check(wrapper)
     if wrapper.connection is None:
         # Raises SynchronousOnlyOperation in async code, like any Django query would
         # (async code has no connection of its own to find here).
@@ -569,6 +575,9 @@ class DjangoSite:
                 and not registry.inherited
                 and wrapper.autocommit
                 and not wrapper.needs_rollback
+                # Not at a persistent connection's first use in a request, when
+                # CONN_HEALTH_CHECKS asks Django's health check (own_connection runs it).
+                and (wrapper.health_check_done or not wrapper.health_check_enabled)  # type: ignore[attr-defined]
                 and _running_loop() is None  # Django refuses queries there
             ):
                 return borrow  # type: ignore[no-any-return]
@@ -629,6 +638,8 @@ class DjangoSite:
     def locks(self) -> DjangoConnectionLocks:
         """This thread's registry for the alias, connecting first if needed."""
         wrapper = connections[self.alias]
+        if health_check_due(wrapper):
+            run_health_check(wrapper)
         wrapper.ensure_connection()
         return connection_locks(wrapper, self.backend)
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 from django.db import connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.utils import load_backend
+from django.utils.asyncio import async_unsafe
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -26,11 +27,13 @@ __all__ = [
     "autocommit",
     "connection_usable",
     "django_errors",
+    "health_check_due",
     "install_close_hook",
     "install_savepoint_rollback_hook",
     "new_wrapper",
     "on_commit_callbacks",
     "refuse_broken_transaction",
+    "run_health_check",
     "savepoint_number",
     "savepoints_made",
     "uses_pool",
@@ -174,6 +177,30 @@ def connection_usable(wrapper: BaseDatabaseWrapper) -> bool:
     """Django's own health check of an open connection (``is_usable()``: ``SELECT 1`` on
     PostgreSQL, ``ping()`` on MySQL, always True on SQLite); never raises."""
     return bool(wrapper.is_usable())
+
+
+def health_check_due(wrapper: BaseDatabaseWrapper) -> bool:
+    """Whether Django's health check of the open connection is due before its next use:
+    ``CONN_HEALTH_CHECKS`` is on and no use in this request has checked it yet.
+
+    Attributes alone, no round trip: ``health_check_enabled`` is the setting, read at
+    ``connect()``; ``health_check_done`` is set by ``connect()`` and by the check, and
+    cleared by ``close_if_unusable_or_obsolete()`` at each request's start and end.
+    """
+    return (
+        wrapper.connection is not None
+        and bool(wrapper.health_check_enabled)  # type: ignore[attr-defined]
+        and not wrapper.health_check_done  # type: ignore[attr-defined]
+    )
+
+
+@async_unsafe
+def run_health_check(wrapper: BaseDatabaseWrapper) -> None:
+    """Django's health check as its cursor runs it before ``ensure_connection()``
+    (``_cursor()``): ``close_if_health_check_failed()``, one ``is_usable()`` round trip
+    when due, closes a connection that fails it, so the next use connects anew.
+    ``@async_unsafe`` as Django's ``cursor()`` is."""
+    wrapper.close_if_health_check_failed()
 
 
 def new_wrapper(alias: str, *, pooled: bool = True) -> BaseDatabaseWrapper:

@@ -39,7 +39,7 @@ from advisory_locks._dialects.lease import LEASE_TABLE, LeaseBackend, lease_back
 from advisory_locks.errors import LockLost, UnsupportedFeature
 from advisory_locks_django import signals
 from advisory_locks_django._binding import DjangoExecutor
-from advisory_locks_django._compat import new_wrapper
+from advisory_locks_django._compat import health_check_due, new_wrapper, run_health_check
 from advisory_locks_django.conf import SESSION_UNSAFE_POOLERS, lock_settings
 from advisory_locks_django.locks import DEFAULT, _Default, _name_factory
 
@@ -422,6 +422,10 @@ class DjangoLeaseSite:
 
     def borrow(self, *, transaction: bool) -> _ThreadBorrow | _OwnConnection:
         wrapper = connections[self.alias]
+        if health_check_due(wrapper):
+            # A persistent connection's first use in a request (CONN_HEALTH_CHECKS): one
+            # the server ended between requests is replaced, as for Django's first query.
+            run_health_check(wrapper)
         # A lease statement must commit on its own, not with the caller's transaction:
         # one is open inside atomic(), and always with autocommit turned off.
         if wrapper.in_atomic_block or not wrapper.get_autocommit():
