@@ -277,7 +277,9 @@ class AdvisoryLock(LockContract):
         state = borrowed.state
         if state.observes:
             state.observe()
-        self._refuse_another_thread(state)
+        owner = self._owner
+        if owner is not None and owner != _thread_id():  # another thread's (or a task's)
+            self._refuse_another_thread(state)
         self._count -= 1
         holding.count -= 1
         if self._count:
@@ -613,7 +615,10 @@ class AdvisoryLock(LockContract):
         state = borrowed.state
         if state.observes:
             state.observe()
-        self._refuse_another_thread(state)
+        owner = self._owner
+        # A task's owner is (thread, task): another task of this thread may release.
+        if owner is not None and (owner if type(owner) is int else owner[0]) != _thread_id():
+            self._refuse_another_thread(state)
         self._count -= 1
         holding.count -= 1
         if self._count:
