@@ -542,6 +542,9 @@ class DjangoSite:
 
     __slots__ = ("alias", "backend")
     binding = "django"
+    # A lock's connection is the connection of the thread that took it (Django's
+    # connections are per thread): only that thread may release it.
+    thread_connections = True
 
     def __init__(self, alias: str) -> None:
         self.alias = alias

@@ -461,18 +461,21 @@ class AdvisoryLock(LockContract):
             self._owner = owner
 
     def _refuse_another_thread(self, state: ConnectionState) -> None:
-        """Refuse a release from a thread other than the holder's, before any SQL.
+        """Refuse a release from a thread other than the holder's, before any SQL, where
+        the lock's connection is its thread's (``site.thread_connections``: Django's).
 
-        The unlock goes out on the holder's connection, which belongs to its thread (a
-        Django connection, a SQLAlchemy Connection, a PyMySQL connection: none is
-        thread-safe), and may be running that thread's query right now. Counted out from
-        here, the holder's own release would find nothing to release. Another asyncio task
-        of the same thread may release (wait_for() before Python 3.12, gather() and task
+        The unlock would go out on the holder's thread's connection, which that thread
+        may be using for a query right now (on MySQL that breaks the connection), and
+        counted out from here the holder's own release would find nothing to release.
+        Elsewhere the lock's connection is its own (an Engine's checkout) or the caller's
+        to share, and handing a held lock to another thread for its release (an acquire
+        run in ``asyncio.to_thread()`` or a worker) stays allowed. Another asyncio task of
+        the same thread may release (wait_for() before Python 3.12, gather() and task
         groups run an acquire in a task of their own); a forked child's copy of its
         parent's lock sends nothing, and is let go from any thread.
         """
         owner = self._owner
-        if owner is None or state.inherited:
+        if owner is None or state.inherited or not getattr(self._site, "thread_connections", False):
             return
         thread = owner if isinstance(owner, int) else owner[0]
         if thread != _thread_id():
