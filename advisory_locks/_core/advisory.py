@@ -620,7 +620,7 @@ class AdvisoryLock(LockContract):
             state.observe()
         owner = self._owner
         # A task's owner is (thread, task): another task of this thread may release.
-        if owner is not None and (owner if type(owner) is int else owner[0]) != _thread_id():
+        if owner is not None and (owner if isinstance(owner, int) else owner[0]) != _thread_id():
             self._refuse_another_thread(state)
         self._count -= 1
         holding.count -= 1
