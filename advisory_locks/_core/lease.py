@@ -2,8 +2,9 @@
 
 A lease is held until it expires unless renewed, so it outlives any one connection:
 every statement borrows a pooled connection from the binding's *lease site* and gives it
-back, and the process's one renewer (``advisory_locks._core.renewer``) keeps held leases
-alive. The rules are written here once, as steps, like the advisory lock's.
+back, and the process's renewer (``advisory_locks._core.renewer``: a thread per
+database) keeps held leases alive. The rules are written here once, as steps, like the
+advisory lock's.
 
 Time: the database's clock decides expiry (the client sends durations only). The client
 keeps one local deadline per holding, measured with ``time.monotonic()`` from the moment
