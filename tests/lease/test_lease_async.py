@@ -431,7 +431,7 @@ async def test_an_async_lease_whose_database_stops_answering_is_lost_in_time(
         # connect= opens a connection per statement: none the stall froze is used again.
         far = await AsyncBind(kind, lease_db.url.set(host="127.0.0.1", port=proxy.port)).open()
         near = await AsyncBind(kind, lease_db.url).open()
-        ttl, period = 3.0, 0.5
+        ttl, period = 5.0, 0.5
         short = far.lease(unique(), ttl=ttl, renew_every=period)
         long = far.lease(unique(), ttl=8.0, renew_every=1.0)
         other = near.lease(unique(), ttl=8.0, renew_every=period)
