@@ -500,9 +500,10 @@ def test_a_database_that_stops_answering_loses_its_leases_in_time_and_stalls_no_
         # NullPool: no statement of the test reuses a connection the stall froze.
         far = create_engine(lease_db.url.set(host="127.0.0.1", port=proxy.port), poolclass=NullPool)
         short_ttl, period = 5.0, 0.5
-        short = lease_lock(far, unique(), ttl=short_ttl, renew_every=period)
-        long = lease_lock(far, unique(), ttl=8.0, renew_every=1.0)
-        near = lease_lock(lease_db.engine, unique(), ttl=short_ttl, renew_every=period)
+        # timeout=0: no LISTEN connection through the proxy for the stall to leave hanging.
+        short = lease_lock(far, unique(), ttl=short_ttl, renew_every=period, timeout=0)
+        long = lease_lock(far, unique(), ttl=8.0, renew_every=1.0, timeout=0)
+        near = lease_lock(lease_db.engine, unique(), ttl=short_ttl, renew_every=period, timeout=0)
         assert short.acquire()
         assert long.acquire()
         assert near.acquire()
